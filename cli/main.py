@@ -1,0 +1,189 @@
+"""The `epdq` command: parses arguments and calls the library, nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ.")
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+
+
+def _run(coro):
+    from epdq.launch import run
+
+    return run(coro)
+
+
+@app.command()
+def broker(
+    address: str = typer.Option(DEFAULT_ADDRESS, help="Where clients and workers connect."),
+    max_queued: int = typer.Option(1024, help="Requests waiting or ready before new ones get 'busy'."),
+    max_images: int = typer.Option(8, help="Images allowed per request."),
+    max_image_mb: float = typer.Option(20.0, help="Largest image file accepted, MiB."),
+    timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    log_format: str = typer.Option("text", help="text or json"),
+) -> None:
+    """Run the broker."""
+    from epdq.broker import BrokerConfig
+    from epdq.launch import serve_broker
+    from epdq.logs import setup_logging
+
+    setup_logging("info", log_format)
+    cfg = BrokerConfig(
+        address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
+        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout,
+    )  # fmt: skip
+    _run(serve_broker(cfg))
+
+
+@app.command()
+def worker(
+    role: str = typer.Option(..., help="encoder, pd, or both (colocated baseline)."),
+    broker: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
+    model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
+    node: str = typer.Option("", help="Node id (default: hostname); same id = same shared-memory ring."),
+    capacity: int = typer.Option(0, help="Jobs held at once (0 = role default)."),
+    ring_mb: int = typer.Option(256, help="Encoder ring size, MiB."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    log_format: str = typer.Option("text", help="text or json"),
+) -> None:
+    """Run one worker."""
+    from epdq.launch import serve_worker
+    from epdq.logs import setup_logging
+    from epdq.worker.runner import WorkerConfig
+
+    setup_logging("info", log_format)
+    cfg = WorkerConfig(
+        role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype
+    )
+    _run(serve_worker(cfg))
+
+
+@app.command()
+def up(
+    address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address to serve on."),
+    encoders: int = typer.Option(1, help="Encoder workers."),
+    pds: int = typer.Option(1, help="PD workers."),
+    colocated: int = typer.Option(0, "--colocated", help="Colocated ('both') workers; with 0 encoders/pds: the baseline."),
+    model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
+    log_dir: str = typer.Option("", help="Where child logs go (default: a temporary directory)."),
+) -> None:
+    """Start broker + workers on this machine; serve until Ctrl-C."""
+    from epdq.cluster import Cluster, ClusterSpec
+
+    if colocated and encoders == 1 and pds == 1:
+        encoders = pds = 0  # `epdq up --colocated N` alone means the baseline cluster
+    cluster = Cluster(ClusterSpec(address=address, encoders=encoders, pds=pds, both=colocated, model=model, log_dir=log_dir))
+
+    async def main() -> None:
+        try:
+            await cluster.start(progress=lambda m: typer.echo(f"  {m}"))
+            typer.echo(f"\nepdq is up. Connect to {address}   (logs: {cluster.log_dir})")
+            typer.echo(f'  epdq generate "Describe this." --image photo.png --address {address}')
+            typer.echo("Ctrl-C stops everything.")
+            while True:
+                await asyncio.sleep(1.0)
+                cluster.check_alive()
+        finally:
+            typer.echo("stopping...")
+            cluster.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt."),
+    image: list[Path] = typer.Option([], "--image", help="Image file (repeatable)."),
+    address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
+    max_tokens: int = typer.Option(32),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(None),
+    timeout: float = typer.Option(120.0),
+    stream: bool = typer.Option(True, help="Print tokens as they arrive."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Send one request and print the answer."""
+    from epdq.client import AsyncClient
+    from epdq.errors import EpdqError
+
+    async def main() -> int:
+        async with AsyncClient(address, timeout=timeout) as c:
+            kw = dict(images=image, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            if stream and not as_json:
+                async for d in c.stream(prompt, **kw):
+                    sys.stdout.write(d.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                return 0
+            r = await c.generate(prompt, **kw)
+            if as_json:
+                t = r.timings
+                typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                       "timings": {s: getattr(t, s) for s in t.__slots__}}))  # fmt: skip
+            else:
+                typer.echo(r.text)
+                typer.echo(f"[{len(r.token_ids)} tokens, TTFT {r.timings.ttft_s * 1e3:.1f} ms, {r.finish_reason}]", err=True)
+            return 0
+
+    try:
+        raise typer.Exit(asyncio.run(main()))
+    except EpdqError as e:
+        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        raise typer.Exit(3) from None
+
+
+@app.command()
+def demo(
+    address: str = typer.Option("tcp://127.0.0.1:7711", help="Broker address for the demo cluster."),
+    model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
+    compare: bool = typer.Option(True, help="Also run each request on a colocated worker and compare tokens."),
+) -> None:
+    """Start a cluster, send several multimodal requests, print outputs, TTFT and cache stats, stop."""
+    from epdq.demo import run_demo
+
+    ok = asyncio.run(run_demo(address=address, model=model, compare=compare, out=typer.echo))
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command("make-model")
+def make_model(
+    out: Path = typer.Argument(None, help="Output directory (default: the embedded model's location)."),
+    seed: int = typer.Option(0),
+    overwrite: bool = typer.Option(False),
+) -> None:
+    """Write the tiny random Qwen2-VL checkpoint (real HF format) used when no --model is given."""
+    from epdq.models.tiny import default_model_dir, write_tiny_checkpoint
+
+    path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
+    typer.echo(str(path))
+
+
+@app.command()
+def stats(address: str = typer.Argument(DEFAULT_ADDRESS), timeout: float = typer.Option(5.0)) -> None:
+    """Print the broker's counters, gauges and workers as JSON."""
+    from epdq.client import AsyncClient
+
+    async def main() -> dict:
+        async with AsyncClient(address) as c:
+            return await c.stats(timeout=timeout)
+
+    typer.echo(json.dumps(asyncio.run(main()), indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

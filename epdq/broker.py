@@ -1,0 +1,420 @@
+"""The broker: one ROUTER socket for clients and workers, the scheduler behind it.
+
+This module does the I/O: it decodes and validates messages, hashes image bytes, feeds events to
+the pure `Scheduler` and turns its decisions into messages. It never imports torch, transformers
+or vLLM; it handles bytes, hashes and references, never tensor contents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from epdq import protocol as P
+from epdq.errors import EpdqError, InvalidInputError, ProtocolError
+from epdq.media import image_key, sniff_format
+from epdq.scheduler import (
+    Fail,
+    Request,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    SendAbort,
+    SendEncode,
+    SendPin,
+    SendPrefill,
+    SendUnpin,
+)
+from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket
+
+log = logging.getLogger("epdq.broker")
+
+MAX_TOKENS_LIMIT = 32768
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    address: str = "tcp://127.0.0.1:7700"
+    max_queued_requests: int = 1024
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 2**20
+    default_timeout_s: float = 120.0
+    max_timeout_s: float = 3600.0
+    heartbeat_s: float = 1.0
+    liveness: int = 5  # heartbeats a worker may miss before it is declared dead
+    busy_retry_after_s: float = 0.5
+    scope: str = ""  # cache-key scope; adopted from the first encoder when empty
+
+    def __post_init__(self) -> None:
+        if "://" not in self.address:
+            raise ValueError(f"address must look like tcp://HOST:PORT or ipc://PATH, got {self.address!r}")
+        if not 1 <= self.max_images_per_request <= 64:
+            raise ValueError("max_images_per_request must be in [1, 64]")
+        if self.max_image_bytes < 1024:
+            raise ValueError("max_image_bytes must be >= 1024")
+        if self.default_timeout_s <= 0 or self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
+        if self.heartbeat_s <= 0 or self.liveness < 1:
+            raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+
+
+@dataclass(slots=True)
+class _Peer:
+    worker_id: str
+    identity: bytes
+    role: Role
+    scope: str
+    last_seen: float
+    register: P.Register
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig | None = None, *, ctx: zmq.Context | None = None):
+        self.cfg = config or BrokerConfig()
+        self._ctx = ctx or zmq.Context.instance()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_queued_requests=self.cfg.max_queued_requests,
+                busy_retry_after_s=self.cfg.busy_retry_after_s,
+                max_timeout_s=self.cfg.max_timeout_s,
+            )
+        )
+        self.scope = self.cfg.scope
+        self.workers: dict[bytes, _Peer] = {}  # by socket identity
+        self._by_id: dict[str, _Peer] = {}
+        self._clients: dict[bytes, set[str]] = {}  # client identity -> live request ids
+        self.counters = {"protocol_errors": 0, "messages_in": 0, "invalid_requests": 0}
+        self.channel: Channel | None = None
+        self.endpoint = ""
+        self._stop = asyncio.Event()
+        self.started_at = time.monotonic()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        sock = make_socket(
+            self._ctx, zmq.ROUTER, bind=self.cfg.address,
+            max_message_bytes=self.cfg.max_image_bytes + (1 << 20),
+        )  # fmt: skip
+        self.channel = Channel(sock, self._on_frames, on_error=self._on_handler_error)
+        self.endpoint = bound_endpoint(sock)
+        return self.endpoint
+
+    async def serve(self, ready: asyncio.Event | None = None) -> None:
+        if self.channel is None:
+            self.bind()
+        assert self.channel is not None
+        self.channel.start()
+        log.info("broker listening on %s", self.endpoint)
+        if ready is not None:
+            ready.set()
+        timer = asyncio.create_task(self._tick())
+        try:
+            await self._stop.wait()
+        finally:
+            timer.cancel()
+            for peer in list(self.workers.values()):
+                self._send(peer.identity, P.Bye("broker shutting down"))
+            self.channel.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _tick(self) -> None:
+        hb = P.encode(P.Heartbeat())
+        last_hb = 0.0
+        while True:
+            await asyncio.sleep(min(0.05, self.cfg.heartbeat_s / 4))
+            now = time.monotonic()
+            self.scheduler.expire()
+            if now - last_hb >= self.cfg.heartbeat_s:
+                last_hb = now
+                dead = now - self.cfg.heartbeat_s * self.cfg.liveness
+                for peer in list(self.workers.values()):
+                    if peer.last_seen < dead:
+                        log.warning("worker %s missed %d heartbeats", peer.worker_id, self.cfg.liveness)
+                        self._drop_worker(peer, "missed heartbeats")
+                    else:
+                        self._send_raw(peer.identity, hb)
+            self._flush()
+
+    # ------------------------------------------------------------ receive
+
+    def _on_handler_error(self, exc: BaseException) -> None:
+        self.counters["protocol_errors"] += 1
+        log.exception("broker failed to handle a message", exc_info=exc)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        self.counters["messages_in"] += 1
+        if len(frames) < 3:
+            self.counters["protocol_errors"] += 1
+            return
+        identity = bytes(frames[0])
+        try:
+            msg, payload = P.decode(frames[1:], max_payload_frames=self.cfg.max_images_per_request)
+        except ProtocolError as e:
+            self.counters["protocol_errors"] += 1
+            log.debug("rejected message from %r: %s", identity[:16], e)
+            return
+        peer = self.workers.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
+            self.counters["protocol_errors"] += 1
+            return
+        handler(self, identity, peer, msg, payload)
+        self._flush()
+
+    # client messages
+
+    def _on_submit(self, identity: bytes, peer: _Peer | None, msg: P.Submit, payload: list[Any]) -> None:
+        rid = msg.request_id
+        try:
+            self._validate_submit(msg, payload)
+            timeout = msg.timeout_s if msg.timeout_s > 0 else self.cfg.default_timeout_s
+            keys = [image_key(self.scope, memoryview(f)) for f in payload] if msg.route != "colocated" else []
+            self.scheduler.submit(rid, identity, keys, payload, timeout, msg, msg.route)
+        except EpdqError as e:
+            if isinstance(e, InvalidInputError):
+                self.counters["invalid_requests"] += 1
+            self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
+            return
+        self._clients.setdefault(identity, set()).add(rid)
+
+    def _validate_submit(self, msg: P.Submit, payload: list[Any]) -> None:
+        if not 1 <= len(msg.request_id) <= 128:
+            raise InvalidInputError("request_id must be 1..128 characters")
+        try:
+            P.validate_messages(msg.messages, msg.n_images)
+        except ProtocolError as e:
+            raise InvalidInputError(e.message) from None
+        s = msg.sampling
+        if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidInputError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}]")
+        if not (0.0 <= s.temperature <= 2.0 and 0.0 < s.top_p <= 1.0):
+            raise InvalidInputError("temperature must be in [0, 2] and top_p in (0, 1]")
+        if len(s.stop) > 16 or any(not 0 < len(x) <= 256 for x in s.stop):
+            raise InvalidInputError("at most 16 stop strings of 1..256 characters")
+        if msg.timeout_s < 0:
+            raise InvalidInputError("timeout must be >= 0 (0 = broker default)")
+        for i, f in enumerate(payload):
+            n = memoryview(f).nbytes
+            if n == 0:
+                raise InvalidInputError(f"image {i} is empty")
+            if n > self.cfg.max_image_bytes:
+                raise InvalidInputError(f"image {i} is {n} bytes (limit {self.cfg.max_image_bytes})")
+            if sniff_format(memoryview(f)[:64]) is None:
+                raise InvalidInputError(f"image {i} is not a supported image format")
+
+    def _on_cancel(self, identity: bytes, peer: _Peer | None, msg: P.Cancel, payload: list[Any]) -> None:
+        self.scheduler.cancel(msg.request_id, identity)
+
+    def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:
+        self._send(identity, self.stats(msg.nonce))
+
+    def stats(self, nonce: int = 0) -> P.Stats:
+        s = self.scheduler
+        counters = dict(s.counters) | self.counters
+        gauges = s.gauges()
+        workers = []
+        by_role = dict.fromkeys((r.value for r in Role), 0)
+        for w in s.workers.values():
+            by_role[w.role.value] += 1
+            workers.append(P.WorkerInfo(w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity))
+        gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
+        gauges["uptime_s"] = time.monotonic() - self.started_at
+        return P.Stats(nonce, counters, gauges, workers)
+
+    # worker messages
+
+    def _on_register(self, identity: bytes, peer: _Peer | None, msg: P.Register, payload: list[Any]) -> None:
+        try:
+            role = Role(msg.role)
+        except ValueError:
+            self.counters["protocol_errors"] += 1
+            self._send(identity, P.Bye(f"unknown role {msg.role[:16]!r}"))
+            return
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            self._send(identity, P.Bye(f"protocol version {msg.protocol_version} != {P.PROTOCOL_VERSION}"))
+            return
+        if not 1 <= msg.capacity <= 4096 or not msg.worker_id or len(msg.worker_id) > 128:
+            self._send(identity, P.Bye("capacity must be in [1, 4096] and worker_id 1..128 characters"))
+            return
+        if role is Role.ENCODER:
+            if not self.scope:
+                self.scope = msg.scope
+            elif msg.scope != self.scope:
+                log.error("refusing encoder %s: scope %s differs from %s", msg.worker_id, msg.scope, self.scope)
+                self._send(identity, P.Bye(f"model scope {msg.scope!r} differs from the broker's {self.scope!r}"))
+                return
+        old = self._by_id.get(msg.worker_id)
+        if old is not None:
+            self._drop_worker(old, "re-registered")
+        if peer is not None:
+            self._drop_worker(peer, "re-registered")
+        p = _Peer(msg.worker_id, identity, role, msg.scope, time.monotonic(), msg)
+        self.workers[identity] = p
+        self._by_id[msg.worker_id] = p
+        self._send(identity, P.Registered(msg.worker_id, self.cfg.heartbeat_s))
+        log.info("worker %s registered: role=%s node=%s capacity=%d", msg.worker_id, role.value, msg.node, msg.capacity)
+        self.scheduler.add_worker(msg.worker_id, role, msg.node, msg.capacity, msg.ring_capacity)
+
+    def _require_worker(self, identity: bytes, peer: _Peer | None) -> bool:
+        if peer is None:
+            # Majordomo-style: a worker we do not know (e.g. after a broker restart) must register
+            self._send(identity, P.Bye("unknown worker: register again"))
+            return False
+        return True
+
+    def _on_heartbeat(self, identity: bytes, peer: _Peer | None, msg: P.Heartbeat, payload: list[Any]) -> None:
+        self._require_worker(identity, peer)
+
+    def _on_bye(self, identity: bytes, peer: _Peer | None, msg: P.Bye, payload: list[Any]) -> None:
+        if peer is not None:
+            self._drop_worker(peer, f"left ({msg.reason[:64]})")
+
+    def _on_encoded(self, identity: bytes, peer: _Peer | None, msg: P.Encoded, payload: list[Any]) -> None:
+        if not self._require_worker(identity, peer):
+            return
+        ref = msg.ref
+        # never trust where a worker claims its bytes live: they must be in its own ring
+        reg = peer.register
+        if (
+            peer.role is not Role.ENCODER or ref.encoder_id != peer.worker_id or ref.segment != reg.ring_segment
+            or ref.offset < 0 or ref.nbytes <= 0 or ref.offset + ref.nbytes > reg.ring_capacity
+            or len(ref.grid) != 3 or len(ref.shape) != 2
+        ):  # fmt: skip
+            self.counters["protocol_errors"] += 1
+            self.scheduler.on_encode_failed(peer.worker_id, msg.job_id, "internal", "encoder sent an invalid entry")
+            return
+        ref.node = reg.node
+        ref.fetch_endpoint = reg.fetch_endpoint
+        self.scheduler.on_encoded(peer.worker_id, msg.job_id, ref)
+
+    def _on_encode_failed(self, identity: bytes, peer: _Peer | None, msg: P.EncodeFailed, payload: list[Any]) -> None:
+        if self._require_worker(identity, peer):
+            self.scheduler.on_encode_failed(peer.worker_id, msg.job_id, msg.code, msg.message)
+
+    def _on_evicted(self, identity: bytes, peer: _Peer | None, msg: P.Evicted, payload: list[Any]) -> None:
+        if self._require_worker(identity, peer):
+            self.scheduler.on_evicted(peer.worker_id, msg.entries)
+
+    def _on_tokens(self, identity: bytes, peer: _Peer | None, msg: P.Tokens, payload: list[Any]) -> None:
+        if not self._require_worker(identity, peer):
+            return
+        finished = msg.finish_reason is not None
+        req = self.scheduler.on_tokens(peer.worker_id, msg.request_id, finished)
+        if req is None:
+            return
+        if finished:
+            msg.timings = _timings(req)
+            self._forget_client_request(req.client, req.rid)
+        self._send(req.client, msg)
+
+    def _on_pd_failed(self, identity: bytes, peer: _Peer | None, msg: P.PdFailed, payload: list[Any]) -> None:
+        if self._require_worker(identity, peer):
+            self.scheduler.on_pd_failed(peer.worker_id, msg.request_id, msg.code, msg.message, msg.stale)
+
+    # ------------------------------------------------------------ send
+
+    def _flush(self) -> None:
+        for a in self.scheduler.take_actions():
+            if isinstance(a, SendEncode):
+                self._send_worker(a.worker_id, P.Encode(a.job.job_id, a.job.key), [a.job.image])
+            elif isinstance(a, SendPrefill):
+                self._send_prefill(a.worker_id, a.request, a.refs)
+            elif isinstance(a, SendPin):
+                self._send_worker(a.worker_id, P.Pin(a.entries))
+            elif isinstance(a, SendUnpin):
+                self._send_worker(a.worker_id, P.Unpin(a.entries))
+            elif isinstance(a, SendAbort):
+                self._send_worker(a.worker_id, P.Abort(a.rid))
+            elif isinstance(a, Fail):
+                self._forget_client_request(a.client, a.rid)
+                e = a.error
+                self._send(a.client, P.Error(a.rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
+
+    def _send_prefill(self, worker_id: str, req: Request, refs: list[P.EmbedRef]) -> None:
+        sub: P.Submit = req.payload
+        remaining = max(0.001, req.deadline - self.scheduler.clock())
+        images = req.images if req.route == "colocated" else []
+        msg = P.Prefill(req.rid, sub.messages, sub.sampling, remaining, refs, len(images))
+        self._send_worker(worker_id, msg, images)
+
+    def _send_worker(self, worker_id: str, msg: Any, payload: list[Any] = ()) -> None:
+        peer = self._by_id.get(worker_id)
+        if peer is None:
+            return
+        if not self._send(peer.identity, msg, payload):
+            self._drop_worker(peer, "unreachable")
+
+    def _send(self, identity: bytes, msg: Any, payload: list[Any] = ()) -> bool:
+        return self._send_raw(identity, P.encode(msg), payload)
+
+    def _send_raw(self, identity: bytes, frames: list[Any], payload: list[Any] = ()) -> bool:
+        assert self.channel is not None
+        try:
+            self.channel.send([identity, *frames, *payload], copy=not payload)
+        except PeerUnreachable:
+            if identity in self._clients:
+                for rid in list(self._clients.pop(identity, ())):
+                    self.scheduler.cancel(rid, identity)  # client gone: its work is aborted
+            return False
+        return True
+
+    def _drop_worker(self, peer: _Peer, reason: str) -> None:
+        if self.workers.get(peer.identity) is peer:
+            del self.workers[peer.identity]
+        if self._by_id.get(peer.worker_id) is peer:
+            del self._by_id[peer.worker_id]
+            log.warning("worker %s removed: %s", peer.worker_id, reason)
+            self.scheduler.remove_worker(peer.worker_id, reason)
+
+    def _forget_client_request(self, client: bytes, rid: str) -> None:
+        live = self._clients.get(client)
+        if live is not None:
+            live.discard(rid)
+            if not live:
+                del self._clients[client]
+
+
+def _timings(req: Request) -> P.Timings:
+    ready = req.ready_at or req.dispatched_at
+    return P.Timings(
+        encode_s=max(0.0, ready - req.admitted_at),
+        queue_s=max(0.0, req.dispatched_at - ready),
+        images=len(req.images),
+        cache_hits=req.cache_hits,
+        route=req.route,
+    )
+
+
+_HANDLERS = {
+    P.Submit: Broker._on_submit,
+    P.Cancel: Broker._on_cancel,
+    P.StatsRequest: Broker._on_stats,
+    P.Register: Broker._on_register,
+    P.Heartbeat: Broker._on_heartbeat,
+    P.Bye: Broker._on_bye,
+    P.Encoded: Broker._on_encoded,
+    P.EncodeFailed: Broker._on_encode_failed,
+    P.Evicted: Broker._on_evicted,
+    P.Tokens: Broker._on_tokens,
+    P.PdFailed: Broker._on_pd_failed,
+}
+
+
+async def run_broker(config: BrokerConfig) -> None:
+    """Serve until cancelled (the CLI maps Ctrl-C / SIGTERM to cancellation)."""
+    broker = Broker(config)
+    broker.bind()
+    try:
+        await broker.serve()
+    finally:
+        broker.stop()

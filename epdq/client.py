@@ -1,0 +1,317 @@
+"""`AsyncClient`: submit requests to a broker and receive results or token streams.
+
+The client never imports worker or engine code. Images may be paths, bytes or PIL images; they
+travel as the original file bytes (PIL images as PNG) in out-of-band frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from epdq import protocol as P
+from epdq.errors import (
+    BrokerUnavailableError,
+    DeadlineExceededError,
+    EpdqError,
+    InvalidInputError,
+    ProtocolError,
+    error_from_code,
+)
+from epdq.media import load_image_bytes
+from epdq.transport import Channel, make_socket
+
+# how long past the request deadline the client waits for the broker's own deadline error
+_GRACE_S = 2.0
+
+
+@dataclass(slots=True)
+class Timings:
+    ttft_s: float = 0.0  # submit -> first token, seen by the client
+    tpot_s: float = 0.0  # mean time per output token after the first
+    total_s: float = 0.0
+    encode_s: float = 0.0  # broker: admitted -> every image embedding resident
+    queue_s: float = 0.0  # broker: ready -> handed to a PD worker
+    images: int = 0
+    cache_hits: int = 0
+    route: str = ""
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    timings: Timings = field(default_factory=Timings)
+
+
+class AsyncClient:
+    """`async with AsyncClient("tcp://127.0.0.1:7700") as c: r = await c.generate("hi")`."""
+
+    def __init__(self, address: str, *, timeout: float = 120.0, ctx: zmq.Context | None = None):
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        self.address = address
+        self.timeout = timeout
+        self._ctx = ctx or zmq.Context.instance()
+        self._channel: Channel | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._nonce = itertools.count(1)
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        if self._channel is not None:
+            return
+        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address)
+        self._channel = Channel(sock, self._on_frames)
+        self._channel.start()
+
+    async def close(self) -> None:
+        ch, self._channel = self._channel, None
+        if ch is None:
+            return
+        for rid in list(self._streams):
+            try:
+                ch.send(P.encode(P.Cancel(rid)))
+            except zmq.ZMQError:
+                pass
+            self._streams[rid].put_nowait(BrokerUnavailableError("client closed", request_id=rid))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(BrokerUnavailableError("client closed"))
+        ch.close()
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            msg, _ = P.decode(frames)
+        except ProtocolError:
+            return  # a broker never sends these; ignore rather than fail an unrelated request
+        if isinstance(msg, (P.Tokens, P.Error)):
+            q = self._streams.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(msg)
+        elif isinstance(msg, P.Stats):
+            fut = self._stats_waiters.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    # ------------------------------------------------------------ API
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
+        """Run one request to completion. Arguments as in `stream`."""
+        text: list[str] = []
+        ids: list[int] = []
+        finish = ""
+        timings = Timings()
+        rid = ""
+        async for d in self._run(prompt, **kwargs):
+            if isinstance(d, tuple):  # the final marker: (request_id, finish_reason, timings)
+                rid, finish, timings = d
+                continue
+            text.append(d.text)
+            ids.extend(d.token_ids)
+        return GenerateResult(rid, "".join(text), ids, finish, timings)
+
+    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
+        """Yield deltas (`text`, `token_ids`) as tokens arrive; the last has `finish_reason`.
+
+        Keyword arguments: images, messages, max_tokens, temperature, top_p, seed, stop, timeout,
+        route ("auto" | "epd" | "colocated"). Breaking out of the loop or cancelling the task
+        cancels the request on the broker and the PD worker.
+        """
+        async for d in self._run(prompt, **kwargs):
+            if not isinstance(d, tuple):
+                yield d
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The broker's counters, gauges and workers."""
+        ch = self._require_channel()
+        nonce = next(self._nonce)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        ch.send(P.encode(P.StatsRequest(nonce)))
+        try:
+            s: P.Stats = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise BrokerUnavailableError(f"no answer from {self.address} within {timeout}s") from None
+        finally:
+            self._stats_waiters.pop(nonce, None)
+        workers = [
+            {"worker_id": w.worker_id, "role": w.role, "node": w.node, "capacity": w.capacity,
+             "inflight": w.inflight, "ring_capacity": w.ring_capacity}
+            for w in s.workers
+        ]  # fmt: skip
+        return {"counters": dict(s.counters), "gauges": dict(s.gauges), "workers": workers}
+
+    # ------------------------------------------------------------ internals
+
+    def _require_channel(self) -> Channel:
+        if self._channel is None:
+            raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
+        return self._channel
+
+    async def _run(
+        self,
+        prompt: str | None = None,
+        *,
+        images: Sequence[Any] = (),
+        messages: list[dict] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Iterable[str] | None = None,
+        timeout: float | None = None,
+        route: str = "auto",
+    ) -> AsyncIterator[Delta | tuple]:
+        ch = self._require_channel()
+        chat, blobs = build_messages(prompt, images, messages)
+        timeout = self.timeout if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise InvalidInputError("timeout must be > 0")
+        if isinstance(stop, str):
+            stop = [stop]
+        sampling = P.Sampling(int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()))
+        rid = uuid.uuid4().hex
+        sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        t0 = time.perf_counter()
+        first = last = 0.0
+        n_tokens = 0
+        done = False
+        try:
+            ch.send(P.encode(sub) + blobs, copy=not blobs)
+            deadline = time.monotonic() + timeout + _GRACE_S
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    msg = await asyncio.wait_for(q.get(), max(left, 0.0))
+                except TimeoutError:
+                    raise DeadlineExceededError(
+                        f"no result within {timeout}s (+{_GRACE_S}s grace)", request_id=rid
+                    ) from None
+                if isinstance(msg, EpdqError):
+                    done = True
+                    raise msg
+                if isinstance(msg, P.Error):
+                    done = True
+                    raise error_from_code(msg.code, msg.message, request_id=rid, retry_after=msg.retry_after)
+                now = time.perf_counter()
+                if msg.token_ids:
+                    if n_tokens == 0:
+                        first = now
+                    n_tokens += len(msg.token_ids)
+                    last = now
+                if msg.finish_reason is not None:
+                    done = True
+                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason)
+                if done:
+                    bt = msg.timings or P.Timings()
+                    tim = Timings(
+                        ttft_s=(first - t0) if n_tokens else 0.0,
+                        tpot_s=(last - first) / (n_tokens - 1) if n_tokens > 1 else 0.0,
+                        total_s=now - t0,
+                        encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images,
+                        cache_hits=bt.cache_hits, route=bt.route,
+                    )  # fmt: skip
+                    yield (rid, msg.finish_reason, tim)
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done and self._channel is not None:
+                try:
+                    self._channel.send(P.encode(P.Cancel(rid)))
+                except zmq.ZMQError:
+                    pass
+
+
+def build_messages(
+    prompt: str | None, images: Sequence[Any], messages: list[dict] | None
+) -> tuple[list[P.ChatMessage], list[bytes]]:
+    """Turn (prompt, images) or OpenAI-style messages into wire messages and image blobs.
+
+    Content parts: {"type": "text", "text": ...}; {"type": "image", "image": path|bytes|PIL};
+    {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} (remote URLs are not
+    fetched by the client).
+    """
+    if messages is not None:
+        if prompt is not None or images:
+            raise InvalidInputError("pass either messages, or a prompt with images, not both")
+        return _convert_messages(messages)
+    if prompt is None:
+        raise InvalidInputError("a prompt or messages are required")
+    if not isinstance(prompt, str):
+        raise InvalidInputError("prompt must be a string")
+    if isinstance(images, (str, bytes, os.PathLike)):
+        images = [images]
+    blobs = [load_image_bytes(im) for im in images]
+    parts = [P.Part("image") for _ in blobs] + [P.Part("text", prompt)]
+    return [P.ChatMessage("user", parts)], blobs
+
+
+def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[bytes]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list")
+    out: list[P.ChatMessage] = []
+    blobs: list[bytes] = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise InvalidInputError("each message needs a role and content")
+        content = m.get("content", "")
+        if isinstance(content, str):
+            out.append(P.ChatMessage(str(m["role"]), [P.Part("text", content)]))
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append(P.Part("text", str(part.get("text", ""))))
+            elif kind == "image":
+                blobs.append(load_image_bytes(part.get("image")))
+                parts.append(P.Part("image"))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                blobs.append(_data_url_bytes(url))
+                parts.append(P.Part("image"))
+            else:
+                raise InvalidInputError(f"unsupported content part type {kind!r}")
+        out.append(P.ChatMessage(str(m["role"]), parts))
+    return out, blobs
+
+
+def _data_url_bytes(url: Any) -> bytes:
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise InvalidInputError("image_url must be a data: URL (the client does not fetch remote images)")
+    head, sep, data = url.partition(",")
+    if not sep or ";base64" not in head:
+        raise InvalidInputError("image_url data: URL must be base64-encoded")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise InvalidInputError("image_url data: URL has invalid base64") from None

@@ -1,0 +1,195 @@
+"""Start a broker and workers as real processes on this machine, and stop them all.
+
+Used by `epdq up`, `epdq demo` and the integration tests. Children are separate processes
+(`python -m epdq.launch ...`) with their output in per-process log files; they die with their
+parent (PR_SET_PDEATHSIG) so a killed test run leaves no engines behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from epdq.broker import BrokerConfig
+from epdq.client import AsyncClient
+from epdq.errors import BrokerUnavailableError
+from epdq.worker.runner import WorkerConfig
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    address: str = "tcp://127.0.0.1:7700"
+    encoders: int = 1
+    pds: int = 1
+    both: int = 0
+    model: str = ""
+    broker: BrokerConfig | None = None
+    worker_defaults: dict = field(default_factory=dict)  # WorkerConfig fields for every worker
+    nodes: dict = field(default_factory=dict)  # role -> node id override (e.g. {"pd": "node-b"})
+    log_dir: str = ""
+    log_format: str = "text"
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if min(self.encoders, self.pds, self.both) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.encoders + self.pds + self.both == 0:
+            raise ValueError("a cluster needs at least one worker")
+        if (self.encoders == 0) != (self.pds == 0):
+            raise ValueError("the disaggregated route needs both encoders and pd workers (or neither)")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.children: list[Child] = []
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.log_dir = Path(spec.log_dir) if spec.log_dir else None
+        self.address = spec.address
+
+    def _spawn(self, name: str, kind: str, cfg: object) -> Child:
+        assert self.log_dir is not None
+        path = self.log_dir / f"{name}.log"
+        out = open(path, "ab")  # noqa: SIM115 - the child owns it
+        cmd = [sys.executable, "-m", "epdq.launch", kind, msgspec.json.encode(cfg).decode(), self.spec.log_format]
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, start_new_session=True,
+        )  # fmt: skip
+        out.close()
+        child = Child(name, proc, path)
+        self.children.append(child)
+        return child
+
+    def worker_configs(self) -> list[tuple[str, WorkerConfig]]:
+        out = []
+        for role, n in (("encoder", self.spec.encoders), ("pd", self.spec.pds), ("both", self.spec.both)):
+            for i in range(n):
+                kw = dict(self.spec.worker_defaults)
+                kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}")
+                if role in self.spec.nodes:
+                    kw["node"] = self.spec.nodes[role]
+                out.append((f"{role}-{i}", WorkerConfig(**kw)))
+        return out
+
+    async def start(self, progress=None) -> None:
+        say = progress or (lambda _msg: None)
+        if self.log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="epdq-cluster-")
+            self.log_dir = Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        bcfg = self.spec.broker or BrokerConfig(address=self.address)
+        bcfg = dataclasses.replace(bcfg, address=self.address)
+        say(f"starting broker on {self.address}")
+        self._spawn("broker", "broker", bcfg)
+        want = {"encoder": self.spec.encoders, "pd": self.spec.pds, "both": self.spec.both}
+        if self.spec.model == "" and any(want.values()):
+            from epdq.models.tiny import default_model_dir
+
+            say("preparing the embedded tiny model")
+            await asyncio.to_thread(default_model_dir)  # build once, before workers race for it
+        for name, wcfg in self.worker_configs():
+            say(f"starting {name}")
+            self._spawn(name, "worker", wcfg)
+        await self.wait_ready(want, say)
+
+    async def wait_ready(self, want: dict[str, int], say=lambda _m: None) -> dict:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        last = None
+        async with AsyncClient(self.address) as c:
+            while True:
+                self.check_alive()
+                try:
+                    stats = await c.stats(timeout=2.0)
+                except BrokerUnavailableError:
+                    stats = None
+                if stats is not None:
+                    have = {r: int(stats["gauges"].get(f"workers_{r}", 0)) for r in want}
+                    if have != last:
+                        say("registered workers: " + ", ".join(f"{r} {have[r]}/{want[r]}" for r in want))
+                        last = have
+                    if all(have[r] >= want[r] for r in want):
+                        return stats
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cluster not ready after {self.spec.start_timeout_s}s; logs in {self.log_dir}")
+                await asyncio.sleep(0.25)
+
+    def check_alive(self) -> None:
+        for ch in self.children:
+            rc = ch.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"{ch.name} exited with code {rc}; last log lines:\n{ch.tail()}")
+
+    def child(self, name: str) -> Child:
+        for ch in self.children:
+            if ch.name == name:
+                return ch
+        raise KeyError(name)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        # workers first, so they can say BYE and unlink their rings; the broker last
+        for group in ([c for c in self.children if c.name != "broker"], [c for c in self.children if c.name == "broker"]):
+            for ch in group:
+                if ch.proc.poll() is None:
+                    ch.proc.send_signal(signal.SIGTERM)
+            end = time.monotonic() + timeout
+            for ch in group:
+                try:
+                    ch.proc.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    ch.proc.kill()
+                    ch.proc.wait(5)
+        self.children.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aenter__(self) -> Cluster:
+        try:
+            await self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+def kill_child(ch: Child) -> None:
+    """SIGKILL one child (chaos tests)."""
+    os.kill(ch.proc.pid, signal.SIGKILL)
+    ch.proc.wait(10)

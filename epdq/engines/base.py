@@ -1,0 +1,122 @@
+"""The small engine interface that workers depend on.
+
+Workers know these types, not the backends: a model family or an inference backend is one module
+that implements `VisionEngine` (images -> embeddings) or `PDEngine` (prefill + decode, fed
+precomputed embeddings or, for the colocated baseline, images).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+
+# Generous for a serving system, small enough that a typo cannot reserve a huge KV budget.
+MAX_TOKENS_CAP = 32768
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(slots=True)
+class EncodedImage:
+    """One image's embeddings: `embeds` is [n_tokens, hidden], contiguous, on CPU."""
+
+    embeds: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        if len(self.grid_thw) != 3 or any(int(v) <= 0 for v in self.grid_thw):
+            raise ValueError(f"grid_thw must be three positive ints, got {self.grid_thw}")
+        self.grid_thw = (int(self.grid_thw[0]), int(self.grid_thw[1]), int(self.grid_thw[2]))
+        if self.embeds.dim() != 2:
+            raise ValueError(f"embeds must be 2-D [n_tokens, hidden], got shape {tuple(self.embeds.shape)}")
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """Sampling parameters a PD engine accepts (a backend maps them onto its own type)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError("max_tokens must be an int")
+        if not 1 <= self.max_tokens <= MAX_TOKENS_CAP:
+            raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_CAP}], got {self.max_tokens}")
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
+            raise ValueError("temperature must be a finite number")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError("seed must be an int or None")
+        if isinstance(self.stop, str):
+            raise ValueError("stop must be a sequence of strings, not a string")
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop entries must be non-empty strings")
+
+
+@dataclass(slots=True)
+class Delta:
+    """A streamed chunk: may carry several tokens; `finish_reason` is set on the last one."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None")
+
+
+@runtime_checkable
+class VisionEngine(Protocol):
+    # Fingerprint of weights + processor settings: embeddings are reusable across encoders with
+    # the same scope (the broker's content-hash dedup is keyed by it).
+    scope: str
+    hidden_size: int
+    dtype: torch.dtype
+
+    def encode(self, images: list[PIL.Image.Image]) -> list[EncodedImage]:
+        """Encode all images in ONE batched forward; one result per image, in order."""
+        ...
+
+
+@runtime_checkable
+class PDEngine(Protocol):
+    hidden_size: int
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """Chat messages -> prompt text with one un-expanded image placeholder per image part."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str,
+        sampling: SamplingSpec,
+        *,
+        image_embeds: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        images: list[PIL.Image.Image] | None = None,
+    ) -> AsyncIterator[Delta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def expected_embed_rows(self, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> int:
+        """Rows of `image_embeds` the engine expects for these grids (sum(t*h*w) / merge^2)."""
+        ...

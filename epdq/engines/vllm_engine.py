@@ -1,0 +1,303 @@
+"""PDEngine on vLLM's AsyncLLM (v1): prefill + decode, fed precomputed image embeddings.
+
+mode "pd": the engine never builds the vision tower; requests carry `image_embeds` (one tensor,
+images concatenated in prompt order) and `image_grid_thw` [n, 3].
+mode "both": the colocated baseline; requests carry PIL images and vLLM encodes them itself.
+
+vLLM runs the model in processes it spawns (EngineCore, model inspection). Spawned children
+re-import the parent's __main__ module, so a script that creates an engine must do it under
+`if __name__ == "__main__":`. A wrong embedding shape kills the EngineCore for good, so every
+request is validated here before it is submitted; a dead core surfaces as `EngineError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from epdq.engines.base import Delta, SamplingSpec
+from epdq.engines.prompt import count_image_parts, validate_messages
+from epdq.errors import CancelledError, EngineError, InvalidInputError
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+_DTYPES = ("float32", "bfloat16", "float16")
+# Process-wide defaults vLLM's children inherit; a value the user exported always wins.
+_ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",  # 2 OMP threads on 2 cores made engines 20-30x slower
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # otherwise every engine on a host pins to core 0
+    "HF_HUB_OFFLINE": "1",
+}
+_RPC_ENV = "VLLM_RPC_BASE_PATH"
+_owned_rpc_dirs: set[str] = set()
+
+
+@dataclass(slots=True)
+class VllmEngineConfig:
+    mode: Literal["pd", "both"]
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    kv_cache_bytes: int = 64 * 2**20
+    max_images_per_prompt: int = 8
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pd", "both"):
+            raise ValueError(f"mode must be 'pd' or 'both', got {self.mode!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 16 or self.max_num_seqs < 1:
+            raise ValueError("max_model_len must be >= 16 and max_num_seqs >= 1")
+        if self.kv_cache_bytes < 2**20:
+            raise ValueError("kv_cache_bytes must be at least 1 MiB")
+        if not 0 <= self.max_images_per_prompt <= 256:
+            raise ValueError("max_images_per_prompt must be in [0, 256]")
+
+
+class VllmEngine:
+    """PDEngine (see `epdq.engines.base.PDEngine`) backed by `vllm.v1.engine.async_llm.AsyncLLM`."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        mode: Literal["pd", "both"],
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        max_num_seqs: int = 8,
+        kv_cache_bytes: int = 64 * 2**20,
+        max_images_per_prompt: int = 8,
+    ) -> None:
+        self.config = VllmEngineConfig(mode, dtype, max_model_len, max_num_seqs, kv_cache_bytes, max_images_per_prompt)
+        self.model_dir = pathlib.Path(model_dir).absolute()
+        self.mode = mode
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=True)
+        text_config = getattr(hf_config, "text_config", hf_config)
+        self.hidden_size: int = int(text_config.hidden_size)
+        self.merge_size: int = int(hf_config.vision_config.spatial_merge_size)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=True)
+        self._llm = None
+        self._rpc_dir: str | None = None
+        self._dead: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from epdq.engines import vllm_plugin
+
+        vllm_plugin.install()  # this process; vLLM's children get it via the entry point
+        self._prepare_env()
+        try:
+            self._llm = await asyncio.to_thread(self._create)
+        except BaseException:
+            self._release_rpc_dir()
+            raise
+
+    def _create(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        limit = {"image": 0 if cfg.mode == "pd" else cfg.max_images_per_prompt, "video": 0}
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            kv_cache_memory_bytes=cfg.kv_cache_bytes,
+            limit_mm_per_prompt=limit,
+            enable_mm_embeds=cfg.mode == "pd",
+            distributed_executor_backend="uni",
+            enforce_eager=True,
+            disable_log_stats=True,
+            trust_remote_code=True,
+            seed=0,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _prepare_env(self) -> None:
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        plugins = os.environ.get("VLLM_PLUGINS")
+        if plugins is not None and "epdq_torchvision_shim" not in plugins.split(","):
+            os.environ["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "epdq_torchvision_shim") if p)
+        current = os.environ.get(_RPC_ENV)
+        if current is None or current in _owned_rpc_dirs:
+            # vLLM leaves its ipc socket files behind; keep them in a private dir we can remove.
+            self._rpc_dir = tempfile.mkdtemp(prefix="epdq-vllm-rpc-")
+            os.chmod(self._rpc_dir, 0o700)
+            _owned_rpc_dirs.add(self._rpc_dir)
+            os.environ[_RPC_ENV] = self._rpc_dir
+
+    def _release_rpc_dir(self) -> None:
+        if self._rpc_dir is None:
+            return
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        _owned_rpc_dirs.discard(self._rpc_dir)
+        if os.environ.get(_RPC_ENV) == self._rpc_dir:
+            del os.environ[_RPC_ENV]
+        self._rpc_dir = None
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+        self._release_rpc_dir()
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None or (self._llm is not None and bool(self._llm.errored))
+
+    # -- prompts ---------------------------------------------------------------------------
+    def render_prompt(self, messages: list[dict]) -> str:
+        validate_messages(messages)
+        n_images = count_image_parts(messages)
+        if n_images > self.config.max_images_per_prompt:
+            raise InvalidInputError(f"{n_images} images exceed max_images_per_prompt={self.config.max_images_per_prompt}")
+        try:
+            prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors: the template rejected these messages
+            raise InvalidInputError(f"chat template failed: {exc}") from exc
+        if prompt.count(IMAGE_PLACEHOLDER) != n_images:
+            raise InvalidInputError("the chat template did not produce one image placeholder per image part")
+        return prompt
+
+    def expected_embed_rows(self, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> int:
+        rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
+        return sum(int(t) * int(h) * int(w) for t, h, w in rows) // self.merge_size**2
+
+    # -- generation ------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str,
+        sampling: SamplingSpec,
+        *,
+        image_embeds: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        images: list[PIL.Image.Image] | None = None,
+    ) -> AsyncIterator[Delta]:
+        if self._dead is not None:
+            raise EngineError(f"engine is dead: {self._dead}", request_id=request_id)
+        if self._llm is None:
+            raise EngineError("engine not started", request_id=request_id)
+        request = {"prompt": prompt}
+        mm = self._multimodal_data(prompt, image_embeds, image_grid_thw, images)
+        if mm is not None:
+            request["multi_modal_data"] = mm
+        params = self._sampling_params(sampling)
+        async with contextlib.aclosing(self._llm.generate(request, params, request_id)) as stream:
+            async for delta in self._deltas(request_id, stream):
+                yield delta
+
+    async def _deltas(self, request_id: str, stream) -> AsyncIterator[Delta]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                reason = completion.finish_reason if out.finished else None
+                if reason == "abort":
+                    raise CancelledError("request aborted", request_id=request_id)
+                if reason == "error":
+                    raise EngineError("engine reported a request error", request_id=request_id)
+                if reason is not None and reason not in ("stop", "length"):
+                    reason = "stop"  # e.g. "repetition": the model stopped on its own
+                if completion.token_ids or completion.text or reason is not None:
+                    yield Delta(token_ids=list(completion.token_ids), text=completion.text, finish_reason=reason)
+        except EngineDeadError as exc:
+            self._dead = exc
+            raise EngineError(f"vLLM engine core died: {exc}", request_id=request_id) from exc
+        except (VLLMClientError, ValueError) as exc:
+            raise InvalidInputError(str(exc), request_id=request_id) from exc
+        except EngineGenerateError as exc:
+            raise EngineError(f"generation failed: {exc.__cause__ or exc}", request_id=request_id) from exc
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None and self._dead is None:
+            with contextlib.suppress(Exception):
+                await self._llm.abort(request_id)
+
+    def _sampling_params(self, s: SamplingSpec):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _multimodal_data(self, prompt, image_embeds, image_grid_thw, images) -> dict | None:
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidInputError("prompt must be a non-empty string")
+        n_placeholders = prompt.count(IMAGE_PLACEHOLDER)
+        if n_placeholders > self.config.max_images_per_prompt:
+            raise InvalidInputError(
+                f"{n_placeholders} images exceed max_images_per_prompt={self.config.max_images_per_prompt}"
+            )
+        if self.mode == "both":
+            if image_embeds is not None or image_grid_thw is not None:
+                raise InvalidInputError("a 'both' engine takes images, not embeddings")
+            return _image_list(images, n_placeholders)
+        if images:
+            raise InvalidInputError("a 'pd' engine takes image embeddings, not images")
+        if image_embeds is None and image_grid_thw is None:
+            if n_placeholders:
+                raise InvalidInputError(f"prompt has {n_placeholders} image placeholders but no embeddings")
+            return None
+        embeds, grid = self._check_embeds(image_embeds, image_grid_thw, n_placeholders)
+        return {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
+
+    def _check_embeds(self, embeds, grid, n_placeholders: int):
+        import torch
+
+        if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise InvalidInputError("image_embeds and image_grid_thw must both be tensors")
+        if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
+            raise InvalidInputError(f"image_grid_thw must be an integer [n, 3] tensor, got {tuple(grid.shape)}")
+        if grid.shape[0] != n_placeholders:
+            raise InvalidInputError(f"{grid.shape[0]} grids for {n_placeholders} image placeholders in the prompt")
+        m = self.merge_size
+        for t, h, w in grid.tolist():
+            if t < 1 or h < m or w < m or h % m or w % m:
+                raise InvalidInputError(f"invalid grid [{t}, {h}, {w}] for merge size {m}")
+        rows = self.expected_embed_rows(grid)
+        if embeds.dim() != 2 or embeds.shape[0] != rows or embeds.shape[1] != self.hidden_size:
+            raise InvalidInputError(
+                f"image_embeds shape {tuple(embeds.shape)} != expected ({rows}, {self.hidden_size})"
+            )
+        if not embeds.dtype.is_floating_point:
+            raise InvalidInputError(f"image_embeds must be floating point, got {embeds.dtype}")
+        dtype = getattr(torch, self.config.dtype)
+        return embeds.to("cpu", dtype).contiguous(), grid.to("cpu", torch.int64).contiguous()
+
+
+def _image_list(images, n_placeholders: int) -> dict | None:
+    from PIL import Image
+
+    images = list(images or [])
+    if len(images) != n_placeholders:
+        raise InvalidInputError(f"{len(images)} images for {n_placeholders} image placeholders in the prompt")
+    if not images:
+        return None
+    if any(not isinstance(im, Image.Image) for im in images):
+        raise InvalidInputError("images must be PIL images")
+    return {"image": images}

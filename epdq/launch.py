@@ -1,0 +1,73 @@
+"""Process entry points used by `Cluster` (and so by `epdq up`, `epdq demo` and tests).
+
+`python -m epdq.launch broker '<json BrokerConfig>'` or `... worker '<json WorkerConfig>'`. The
+JSON is decoded strictly into the config dataclass, whose `__post_init__` validates it. SIGTERM
+and SIGINT stop the process cleanly (rings unlinked, BYE sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import msgspec
+
+from epdq.logs import setup_logging
+
+
+def _install_stop(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def serve_broker(cfg) -> None:
+    from epdq.broker import Broker
+
+    broker = Broker(cfg)
+    broker.bind()
+    stop = asyncio.Event()
+    _install_stop(stop)
+    task = asyncio.create_task(broker.serve())
+    await stop.wait()
+    broker.stop()
+    await task
+
+
+async def serve_worker(cfg) -> None:
+    from epdq.worker.runner import run_worker
+
+    stop = asyncio.Event()
+    _install_stop(stop)
+    await run_worker(cfg, stop=stop)
+
+
+def run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (2, 3) or argv[0] not in ("broker", "worker"):
+        print("usage: python -m epdq.launch broker|worker JSON [LOG_FORMAT]", file=sys.stderr)
+        return 2
+    setup_logging("info", argv[2] if len(argv) == 3 else "text")
+    if argv[0] == "broker":
+        from epdq.broker import BrokerConfig
+
+        run(serve_broker(msgspec.json.decode(argv[1], type=BrokerConfig)))
+    else:
+        from epdq.worker.runner import WorkerConfig
+
+        run(serve_worker(msgspec.json.decode(argv[1], type=WorkerConfig)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The wire protocol: every message that crosses a socket is defined here.
+
+A message is a list of frames: `[type, header, *payload]`. `type` is one byte (`MsgType`),
+`header` is a msgpack-encoded `msgspec.Struct` (positional arrays: field order IS the protocol,
+so fields are only ever appended), and `payload` frames carry raw bytes out of band (image file
+bytes, embedding bytes) so they are never copied into or parsed as msgpack. ROUTER sockets see
+one more frame in front: the peer identity. Nothing is ever pickled.
+
+Decoding is strict: the type byte must be known, the header must match its schema exactly, its
+size is capped, and the number of payload frames must be what the header declares.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+from epdq.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_TEXT_CHARS = 256 * 1024
+MAX_MESSAGES = 256
+
+
+class MsgType(IntEnum):
+    # client -> broker
+    SUBMIT = 1
+    CANCEL = 2
+    STATS_REQUEST = 3
+    # broker -> client
+    TOKENS = 10
+    ERROR = 11
+    STATS = 12
+    # worker <-> broker
+    REGISTER = 20
+    REGISTERED = 21
+    HEARTBEAT = 22
+    BYE = 23
+    # encoder <-> broker
+    ENCODE = 30
+    ENCODED = 31
+    ENCODE_FAILED = 32
+    PIN = 33
+    UNPIN = 34
+    EVICTED = 35
+    # pd <-> broker
+    PREFILL = 40
+    ABORT = 41
+    PD_FAILED = 42
+    # pd <-> encoder (remote fetch of ring bytes)
+    FETCH = 50
+    FETCHED = 51
+
+
+class _S(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    pass
+
+
+# ---------------------------------------------------------------- request content
+
+
+class Part(_S):
+    """One content part of a chat message: `kind` is "text" or "image" (images in payload order)."""
+
+    kind: str
+    text: str = ""
+
+
+class ChatMessage(_S):
+    role: str
+    parts: list[Part]
+
+
+class Sampling(_S):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class Timings(_S):
+    """Broker-side timings of one request, in seconds."""
+
+    encode_s: float = 0.0  # admitted -> every embedding resident
+    queue_s: float = 0.0  # ready -> handed to a PD worker
+    images: int = 0
+    cache_hits: int = 0  # images served from the index or an encode already running
+    route: str = ""
+
+
+# ---------------------------------------------------------------- client <-> broker
+
+
+class Submit(_S):
+    request_id: str
+    messages: list[ChatMessage]
+    sampling: Sampling
+    timeout_s: float
+    n_images: int  # payload frames that follow: one image file per frame, in prompt order
+    route: str = "auto"  # "auto" | "epd" | "colocated"
+
+
+class Cancel(_S):
+    request_id: str
+
+
+class StatsRequest(_S):
+    nonce: int = 0
+
+
+class Tokens(_S):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    timings: Timings | None = None  # set by the broker on the final message only
+
+
+class Error(_S):
+    request_id: str
+    code: str
+    message: str
+    retry_after: float = 0.0
+
+
+class WorkerInfo(_S):
+    worker_id: str
+    role: str
+    node: str
+    capacity: int
+    inflight: int
+    ring_capacity: int = 0
+
+
+class Stats(_S):
+    nonce: int
+    counters: dict[str, int]
+    gauges: dict[str, float]
+    workers: list[WorkerInfo]
+
+
+# ---------------------------------------------------------------- workers
+
+
+class Register(_S):
+    worker_id: str
+    role: str  # "encoder" | "pd" | "both"
+    node: str
+    capacity: int
+    scope: str  # model + processor fingerprint; all encoders behind one broker must agree
+    model: str
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+    ring_segment: str = ""
+    ring_capacity: int = 0
+    fetch_endpoint: str = ""
+
+
+class Registered(_S):
+    worker_id: str
+    heartbeat_s: float
+
+
+class Heartbeat(_S):
+    pass
+
+
+class Bye(_S):
+    reason: str = ""
+
+
+class EntryId(_S):
+    key: bytes
+    generation: int
+
+
+class EmbedRef(_S):
+    """Where one image's embedding lives: an entry of an encoder's ring."""
+
+    key: bytes
+    encoder_id: str
+    node: str
+    segment: str
+    offset: int
+    nbytes: int
+    generation: int
+    dtype: str
+    shape: list[int]
+    grid: list[int]  # image_grid_thw of this image: [t, h, w]
+    fetch_endpoint: str
+
+
+class Encode(_S):
+    job_id: int
+    key: bytes  # one payload frame follows: the image file bytes
+
+
+class Encoded(_S):
+    job_id: int
+    ref: EmbedRef
+    encode_s: float
+
+
+class EncodeFailed(_S):
+    job_id: int
+    key: bytes
+    code: str
+    message: str
+
+
+class Pin(_S):
+    entries: list[EntryId]
+
+
+class Unpin(_S):
+    entries: list[EntryId]
+
+
+class Evicted(_S):
+    entries: list[EntryId]
+
+
+class Prefill(_S):
+    request_id: str
+    messages: list[ChatMessage]
+    sampling: Sampling
+    timeout_s: float
+    embeds: list[EmbedRef]  # EPD route: one per image in prompt order
+    n_images: int = 0  # colocated route: image file frames that follow
+
+
+class Abort(_S):
+    request_id: str
+
+
+class PdFailed(_S):
+    request_id: str
+    code: str
+    message: str
+    stale: list[EntryId] = []
+
+
+class Fetch(_S):
+    nonce: int
+    key: bytes
+    generation: int
+    offset: int
+    nbytes: int
+
+
+class Fetched(_S):
+    nonce: int
+    code: str = ""  # "" on success, then one payload frame follows
+    message: str = ""
+
+
+# ---------------------------------------------------------------- codec
+
+SCHEMAS: dict[MsgType, type[_S]] = {
+    MsgType.SUBMIT: Submit,
+    MsgType.CANCEL: Cancel,
+    MsgType.STATS_REQUEST: StatsRequest,
+    MsgType.TOKENS: Tokens,
+    MsgType.ERROR: Error,
+    MsgType.STATS: Stats,
+    MsgType.REGISTER: Register,
+    MsgType.REGISTERED: Registered,
+    MsgType.HEARTBEAT: Heartbeat,
+    MsgType.BYE: Bye,
+    MsgType.ENCODE: Encode,
+    MsgType.ENCODED: Encoded,
+    MsgType.ENCODE_FAILED: EncodeFailed,
+    MsgType.PIN: Pin,
+    MsgType.UNPIN: Unpin,
+    MsgType.EVICTED: Evicted,
+    MsgType.PREFILL: Prefill,
+    MsgType.ABORT: Abort,
+    MsgType.PD_FAILED: PdFailed,
+    MsgType.FETCH: Fetch,
+    MsgType.FETCHED: Fetched,
+}
+TYPE_OF: dict[type[_S], MsgType] = {cls: t for t, cls in SCHEMAS.items()}
+_TYPE_FRAMES: dict[MsgType, bytes] = {t: bytes([t]) for t in MsgType}
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in SCHEMAS.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _S) -> list[Any]:
+    """Frames `[type, header]` for a message; the caller appends payload frames."""
+    return [_TYPE_FRAMES[TYPE_OF[type(msg)]], _ENCODER.encode(msg)]
+
+
+def payload_count(msg: _S) -> int:
+    """How many payload frames must follow this header."""
+    if isinstance(msg, Submit):
+        return msg.n_images
+    if isinstance(msg, Prefill):
+        return msg.n_images
+    if isinstance(msg, Encode):
+        return 1
+    if isinstance(msg, Fetched):
+        return 1 if msg.code == "" else 0
+    return 0
+
+
+def decode(frames: list[Any], *, max_payload_frames: int = 64) -> tuple[_S, list[Any]]:
+    """Decode `[type, header, *payload]` (identity already stripped) into (struct, payload).
+
+    Raises ProtocolError for anything that does not match the schema exactly.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
+    tb = memoryview(frames[0])
+    if tb.nbytes != 1:
+        raise ProtocolError("type frame must be exactly one byte")
+    try:
+        mtype = MsgType(tb[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message type {tb[0]}") from None
+    header = frames[1]
+    if memoryview(header).nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header larger than {MAX_HEADER_BYTES} bytes")
+    try:
+        msg = _DECODERS[mtype].decode(header)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError(f"bad {mtype.name} header: {e}") from None
+    payload = frames[2:]
+    want = payload_count(msg)
+    if want < 0 or want > max_payload_frames:
+        raise ProtocolError(f"{mtype.name} declares {want} payload frames (limit {max_payload_frames})")
+    if len(payload) != want:
+        raise ProtocolError(f"{mtype.name} declares {want} payload frames, got {len(payload)}")
+    return msg, payload
+
+
+def validate_messages(messages: list[ChatMessage], n_images: int) -> None:
+    """Semantic checks on chat content shared by the client, the broker and workers."""
+    if not messages:
+        raise ProtocolError("a request needs at least one message")
+    if len(messages) > MAX_MESSAGES:
+        raise ProtocolError(f"at most {MAX_MESSAGES} messages per request")
+    images = 0
+    chars = 0
+    for m in messages:
+        if m.role not in ("system", "user", "assistant"):
+            raise ProtocolError(f"unknown role {m.role[:32]!r}")
+        for p in m.parts:
+            if p.kind == "image":
+                images += 1
+            elif p.kind == "text":
+                chars += len(p.text)
+            else:
+                raise ProtocolError(f"unknown content part kind {p.kind[:32]!r}")
+    if chars > MAX_TEXT_CHARS:
+        raise ProtocolError(f"text longer than {MAX_TEXT_CHARS} characters")
+    if images != n_images:
+        raise ProtocolError(f"messages reference {images} images but {n_images} were sent")
+
+
+def messages_to_openai(messages: list[ChatMessage]) -> list[dict]:
+    """The OpenAI-style dicts the engines' chat templates take."""
+    out = []
+    for m in messages:
+        content = [
+            {"type": "image"} if p.kind == "image" else {"type": "text", "text": p.text} for p in m.parts
+        ]
+        out.append({"role": m.role, "content": content})
+    return out

@@ -1,0 +1,551 @@
+"""POSIX shared-memory embedding ring: one per encoder process, read by PD workers on the node.
+
+Layout: entries are `[64-byte header][data, padded to 64 B]`, placed anywhere in the segment at
+64-byte offsets. The header is (magic, key, generation, nbytes); readers trust bytes only while
+that header still names the entry they were told about, checked before AND after their copy.
+
+Overwrite protocol (a seqlock without a counter): the writer first sets the generation of every
+old entry that the new entry's window touches to 0, then writes the data, then the new header.
+Stores from one thread become visible in program order on x86 (TSO), so a reader whose
+after-copy check still sees the old generation copied bytes no one had started to overwrite.
+
+Pins belong to the broker: a pinned entry is never overwritten; unpinned entries stay resident
+as a cache and are evicted least-recently-unpinned first, only when space is needed. Pins are a
+flag, not a count: the broker keeps the count of requests that need an entry.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import itertools
+import math
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from epdq.errors import ProtocolError, RingFullError, StaleEmbeddingError
+
+SHM_DIR = "/dev/shm"
+KEY_BYTES = 16
+HEADER_BYTES = 64
+ALIGN = 64
+MIN_CAPACITY = 1 << 20
+MAX_CAPACITY = 64 << 30
+_MAGIC = b"EPDQRNG1"
+_HDR = struct.Struct("<8s16sQQ")  # magic, key, generation, nbytes; rest of the 64 B is zero
+_GEN = struct.Struct("<Q")
+_GEN_AT = 24  # offset of the generation inside the header
+_LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
+_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def _name_pattern(uid: int) -> re.Pattern[str]:
+    # The owner tag has no '-' so the pid field parses unambiguously; ASCII digits only.
+    return re.compile(rf"epdq-{uid}-[A-Za-z0-9_]{{1,32}}-([0-9]{{1,10}})-[0-9a-f]{{16}}")
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"ring keys are {KEY_BYTES} bytes, got {key!r:.40}")
+
+
+def _header_ok(buf: mmap.mmap, hdr: int, key: bytes, generation: int, nbytes: int) -> bool:
+    return _HDR.unpack_from(buf, hdr) == (_MAGIC, key, generation, nbytes)
+
+
+def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # Module-level so tests can interleave a concurrent overwrite with the copy.
+    dst.copy_(src)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a tensor still views it; the mapping goes when that tensor is freed
+
+
+@dataclass(slots=True, frozen=True)
+class EntryLoc:
+    """Where an entry's data lives in its segment (the header sits just before `offset`)."""
+
+    offset: int
+    nbytes: int
+    generation: int
+
+    def __post_init__(self) -> None:
+        if self.offset < HEADER_BYTES or self.offset % ALIGN:
+            raise ValueError(f"bad entry offset {self.offset}")
+        if self.nbytes < 0 or not 0 < self.generation < 2**64:
+            raise ValueError(f"bad entry nbytes/generation {self.nbytes}/{self.generation}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: bytes
+    generation: int
+    start: int  # header offset
+    span: int  # header + padded data
+    nbytes: int
+    pinned: bool = True
+    stamp: int = 0  # LRU clock at the last unpin
+
+    @property
+    def end(self) -> int:
+        return self.start + self.span
+
+    def loc(self) -> EntryLoc:
+        return EntryLoc(self.start + HEADER_BYTES, self.nbytes, self.generation)
+
+
+def _unlink_segment(path: str, creator_pid: int) -> None:
+    # A forked child that exits normally must not unlink its parent's segment.
+    if os.getpid() == creator_pid:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class RingWriter:
+    """The encoder's ring. All methods are thread-safe (one lock; `write` holds it for its copy)."""
+
+    def __init__(self, capacity_bytes: int, *, owner_tag: str = "enc"):
+        if not isinstance(capacity_bytes, int) or not MIN_CAPACITY <= capacity_bytes <= MAX_CAPACITY:
+            raise ValueError(f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, got {capacity_bytes}")
+        if not _TAG.fullmatch(owner_tag):
+            raise ValueError(f"owner_tag must match {_TAG.pattern}, got {owner_tag!r}")
+        self.capacity = _round_up(capacity_bytes, mmap.PAGESIZE)
+        self.name = f"epdq-{os.getuid()}-{owner_tag}-{os.getpid()}-{secrets.token_hex(8)}"
+        self._path = os.path.join(SHM_DIR, self.name)
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(self._fd, 0o600)  # umask can only remove bits, but be explicit
+            # Held for our lifetime: cleanup_stale_segments never unlinks a live ring.
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._fd, self.capacity)
+            # Reserve tmpfs pages now: a full /dev/shm fails here, not as SIGBUS mid-write.
+            os.posix_fallocate(self._fd, 0, self.capacity)
+            self._mm = mmap.mmap(self._fd, self.capacity)
+            # Touch one byte per page so first writes don't page-fault.
+            pages = torch.frombuffer(self._mm, dtype=torch.uint8).view(-1, mmap.PAGESIZE)
+            pages[:, 0] = 0
+            del pages
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self._path)
+            raise
+        self._finalizer = weakref.finalize(self, _unlink_segment, self._path, os.getpid())
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # sorted header offsets, parallel to _order
+        self._order: list[_Entry] = []
+        self._by_key: dict[bytes, _Entry] = {}
+        self._lru: OrderedDict[bytes, _Entry] = OrderedDict()  # unpinned, least recent first
+        self._evicted: list[tuple[bytes, int]] = []
+        self._next_gen = secrets.randbits(32) + 1  # a restarted encoder doesn't reuse generations
+        self._clock = 0
+        self._cursor = 0  # end of the last placement: sequential writes pack densely
+        self.used_bytes = 0  # header + padded data of resident entries, pinned or not
+        self.pinned_bytes = 0
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def entry_count(self) -> int:
+        return len(self._order)
+
+    def write(self, key: bytes, tensor: torch.Tensor) -> EntryLoc | None:
+        """Copy `tensor` into the ring as a new pinned entry; None if every window is pinned."""
+        _check_key(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        span = HEADER_BYTES + _round_up(nbytes, ALIGN)
+        if span > self.capacity:
+            raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
+        with self._lock:
+            self._check_open()
+            old = self._by_key.get(key)
+            if old is not None:
+                self._set_pinned(old, True)
+                return old.loc()
+            start = self._find_window(span)
+            if start is None:
+                return None
+            return self._place(start, span, key, tensor, nbytes)
+
+    def pin(self, key: bytes, generation: int) -> bool:
+        with self._lock:
+            e = self._by_key.get(key)
+            if e is None or e.generation != generation:
+                return False
+            self._set_pinned(e, True)
+            return True
+
+    def unpin(self, key: bytes, generation: int) -> None:
+        with self._lock:
+            e = self._by_key.get(key)
+            if e is not None and e.generation == generation:
+                self._set_pinned(e, False)
+
+    def lookup(self, key: bytes) -> EntryLoc | None:
+        with self._lock:
+            e = self._by_key.get(key)
+            return None if e is None else e.loc()
+
+    def drain_evicted(self) -> list[tuple[bytes, int]]:
+        with self._lock:
+            out, self._evicted = self._evicted, []
+            return out
+
+    def evict_unpinned(self) -> int:
+        """Drop every unpinned entry now (reported by drain_evicted); returns how many."""
+        with self._lock:
+            victims = [e for e in self._order if not e.pinned]
+            for e in victims:
+                self._evict(e)
+            return len(victims)
+
+    def read_bytes(self, offset: int, nbytes: int, key: bytes, generation: int) -> bytes:
+        """Copy an entry out for a fetch from another node; StaleEmbeddingError if it changed."""
+        with self._lock:
+            self._check_open()
+            e = self._by_key.get(key)
+            if e is None or e.generation != generation or e.loc() != EntryLoc(offset, nbytes, generation):
+                raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
+        data = self._mm[offset : offset + nbytes]
+        if not _header_ok(self._mm, offset - HEADER_BYTES, key, generation, nbytes):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} was overwritten while copied")
+        return data
+
+    def close(self, unlink: bool = True) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if unlink:
+                self._finalizer()
+            else:
+                self._finalizer.detach()
+            _close_map(self._mm)
+            os.close(self._fd)
+
+    def __enter__(self) -> RingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals (called with the lock held) -----------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"ring {self.name} is closed")
+
+    def _set_pinned(self, e: _Entry, pinned: bool) -> None:
+        if e.pinned != pinned:
+            self.pinned_bytes += e.span if pinned else -e.span
+            e.pinned = pinned
+        if pinned:
+            self._lru.pop(e.key, None)
+        else:
+            self._clock += 1
+            e.stamp = self._clock
+            self._lru[e.key] = e
+            self._lru.move_to_end(e.key)
+
+    def _overlapping(self, start: int, end: int) -> list[_Entry]:
+        i = bisect.bisect_left(self._starts, start)
+        if i and self._order[i - 1].end > start:
+            i -= 1
+        j = bisect.bisect_left(self._starts, end)
+        return self._order[i:j]
+
+    def _find_window(self, span: int) -> int | None:
+        """Start of the window to use: a free gap if any, else one whose newest victim is as
+        little recently used as possible (ties: fewer victims). Never a window touching a
+        pinned entry; None only when every window does."""
+        s = self._cursor if self._cursor + span <= self.capacity else 0
+        if not self._overlapping(s, s + span):
+            return s
+        # Usually a window around one of the oldest entries will do: O(log n) each.
+        best, best_cost = None, None
+        for e in itertools.islice(self._lru.values(), _LRU_TRIES):
+            idx = bisect.bisect_left(self._starts, e.start)
+            before = self._order[idx - 1].end if idx else 0
+            after = self._order[idx + 1].start if idx + 1 < len(self._order) else self.capacity
+            for s in (before, after - span):
+                cost = self._window_cost(s, span)
+                if cost is not None and (best_cost is None or cost < best_cost):
+                    best, best_cost = s, cost
+        if best is not None:
+            return best
+        return self._scan(span)
+
+    def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
+        if s < 0 or s + span > self.capacity:
+            return None
+        victims = self._overlapping(s, s + span)
+        if any(v.pinned for v in victims):
+            return None
+        return (max((v.stamp for v in victims), default=0), len(victims))
+
+    def _scan(self, span: int) -> int | None:
+        # Sliding window over candidate starts (0, each unpinned start, each entry end), all
+        # ascending; an optimal pin-free window can always be shifted left onto one of them.
+        order, n = self._order, len(self._order)
+        i = j = pinned_in = 0
+        maxq: list[int] = []  # indices in [i, j) with decreasing stamps (unpinned only)
+        head = 0
+        best, best_cost = None, None
+        for s in self._candidates():
+            end = s + span
+            if end > self.capacity:
+                break
+            while j < n and order[j].start < end:
+                e = order[j]
+                if e.pinned:
+                    pinned_in += 1
+                else:
+                    while len(maxq) > head and order[maxq[-1]].stamp <= e.stamp:
+                        maxq.pop()
+                    maxq.append(j)
+                j += 1
+            while i < j and order[i].end <= s:
+                pinned_in -= order[i].pinned
+                if len(maxq) > head and maxq[head] == i:
+                    head += 1
+                i += 1
+            if pinned_in:
+                continue
+            if i == j:
+                return s
+            cost = (order[maxq[head]].stamp, j - i)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = s, cost
+        return best
+
+    def _candidates(self):
+        yield 0
+        for e in self._order:
+            if not e.pinned:
+                yield e.start
+            yield e.end
+
+    def _evict(self, e: _Entry) -> None:
+        if e.pinned:
+            raise AssertionError("evicting a pinned ring entry")  # a bug, never a runtime case
+        # Invalidate first so a reader mid-copy fails its after-copy check.
+        _GEN.pack_into(self._mm, e.start + _GEN_AT, 0)
+        idx = bisect.bisect_left(self._starts, e.start)
+        del self._starts[idx], self._order[idx]
+        del self._by_key[e.key]
+        self._lru.pop(e.key, None)
+        self.used_bytes -= e.span
+        self._evicted.append((e.key, e.generation))
+
+    def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
+        for victim in self._overlapping(start, start + span):
+            self._evict(victim)
+        e = _Entry(key, self._next_gen, start, span, nbytes)
+        self._next_gen += 1
+        idx = bisect.bisect_left(self._starts, start)
+        self._starts.insert(idx, start)
+        self._order.insert(idx, e)
+        self._by_key[key] = e
+        self.used_bytes += span
+        self.pinned_bytes += span
+        try:
+            if nbytes:
+                view = torch.frombuffer(
+                    self._mm, dtype=tensor.dtype, count=tensor.numel(), offset=start + HEADER_BYTES
+                )
+                with torch.no_grad():
+                    view.view(tensor.shape).copy_(tensor)
+                del view
+        except BaseException:
+            self._set_pinned(e, False)
+            self._evict(e)
+            self._evicted.pop()  # never published, so nothing to report
+            raise
+        _HDR.pack_into(self._mm, start, _MAGIC, key, e.generation, nbytes)
+        self._cursor = e.end
+        return e.loc()
+
+    def _check_invariants(self) -> None:
+        """For tests: entries sorted, disjoint, in bounds; counters match."""
+        assert self._starts == [e.start for e in self._order]
+        for a, b in zip(self._order, self._order[1:], strict=False):
+            assert a.end <= b.start
+        assert all(0 <= e.start and e.end <= self.capacity and e.start % ALIGN == 0 for e in self._order)
+        assert self.used_bytes == sum(e.span for e in self._order)
+        assert self.pinned_bytes == sum(e.span for e in self._order if e.pinned)
+        assert len(self._by_key) == len(self._order)
+        assert list(self._lru.values()) == sorted((e for e in self._order if not e.pinned), key=lambda e: e.stamp)
+
+
+@dataclass(slots=True)
+class _Attached:
+    fd: int
+    mm: mmap.mmap
+    size: int
+
+
+class RingReader:
+    """A PD worker's view of the rings on its node; mappings are cached per segment name."""
+
+    def __init__(self, *, uid: int | None = None, max_segments: int = 64):
+        if max_segments < 1:
+            raise ValueError("max_segments must be >= 1")
+        self._pattern = _name_pattern(os.getuid() if uid is None else uid)
+        self._uid = os.getuid() if uid is None else uid
+        self._max = max_segments
+        self._segments: OrderedDict[str, _Attached] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(
+        self,
+        segment: str,
+        offset: int,
+        nbytes: int,
+        key: bytes,
+        generation: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Copy one entry into a fresh tensor (or `out`): one memcpy, checked before and after."""
+        _check_key(key)
+        if any(not isinstance(d, int) or d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+            raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
+        if not 0 < generation < 2**64:
+            raise ProtocolError(f"bad generation {generation}")
+        seg = self._attach(segment)
+        if offset % ALIGN or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > seg.size:
+            raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
+        hdr = offset - HEADER_BYTES
+        if not _header_ok(seg.mm, hdr, key, generation, nbytes):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
+            raise ValueError("out tensor does not match dtype/shape or is not on the CPU")
+        if nbytes:
+            src = torch.frombuffer(seg.mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            _copy_tensor(out, src.view(shape))
+            del src
+        if not _header_ok(seg.mm, hdr, key, generation, nbytes):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
+        return out
+
+    def forget(self, segment: str) -> None:
+        with self._lock:
+            seg = self._segments.pop(segment, None)
+        if seg is not None:
+            _close_map(seg.mm)
+            os.close(seg.fd)
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._segments = list(self._segments.values()), OrderedDict()
+        for seg in segs:
+            _close_map(seg.mm)
+            os.close(seg.fd)
+
+    def _attach(self, segment: str) -> _Attached:
+        if not isinstance(segment, str) or not self._pattern.fullmatch(segment):
+            raise ProtocolError(f"not an epdq ring segment of uid {self._uid}: {segment!r:.80}")
+        with self._lock:
+            seg = self._segments.get(segment)
+            if seg is not None:
+                self._segments.move_to_end(segment)
+        if seg is not None:
+            if os.fstat(seg.fd).st_nlink:
+                return seg
+            self.forget(segment)  # unlinked: its encoder is gone; don't keep its pages alive
+            raise StaleEmbeddingError(f"ring segment {segment} was removed")
+        try:
+            # Read-write because torch cannot view a read-only buffer without a warning; this
+            # reader never writes through it.
+            fd = os.open(os.path.join(SHM_DIR, segment), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StaleEmbeddingError(f"ring segment {segment} does not exist") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid or st.st_mode & 0o077:
+                raise ProtocolError(f"ring segment {segment} is not a private file of uid {self._uid}")
+            if st.st_size < MIN_CAPACITY or st.st_size % mmap.PAGESIZE:
+                raise ProtocolError(f"ring segment {segment} has a bad size {st.st_size}")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, st.st_size, flags=flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = _Attached(fd, mm, st.st_size)
+        with self._lock:
+            self._segments[segment] = seg
+            while len(self._segments) > self._max:
+                _, old = self._segments.popitem(last=False)
+                _close_map(old.mm)
+                os.close(old.fd)
+        return seg
+
+
+def cleanup_stale_segments(uid: int | None = None) -> list[str]:
+    """Unlink this uid's ring segments whose creator is dead; returns the names removed.
+
+    A live pid is taken as alive even if reused; a dead pid is confirmed by taking the segment's
+    flock, which its writer holds for life (pids from another pid namespace look dead)."""
+    uid = os.getuid() if uid is None else uid
+    pattern = _name_pattern(uid)
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != uid:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue  # locked by a live writer, or already gone
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

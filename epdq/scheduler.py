@@ -1,0 +1,583 @@
+"""Pure scheduling logic of the broker: queues, credits, the embedding index, dispatch choices.
+
+No sockets, no I/O, no awaiting: the broker feeds events in (`submit`, `on_encoded`, ...) and
+takes the resulting decisions out (`take_actions`). Time comes from an injected clock, so the
+whole thing is unit-tested and simulated with thousands of workers in-process.
+
+Ring entries are pinned while any live request (waiting, ready or running) references them;
+the scheduler tells the owning encoder when a pin starts (`SendPin`) and ends (`SendUnpin`).
+Unpinned entries stay in the index for cache hits until the encoder reports them evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from typing import Any
+
+from epdq.errors import (
+    BusyError,
+    CancelledError,
+    DeadlineExceededError,
+    EpdqError,
+    InvalidInputError,
+    WorkerLostError,
+    error_from_code,
+)
+from epdq.protocol import EmbedRef, EntryId
+
+
+class Role(StrEnum):
+    ENCODER = "encoder"
+    PD = "pd"
+    BOTH = "both"
+
+
+class ReqState(Enum):
+    WAITING = "waiting"  # blocked on pending encodes
+    READY = "ready"  # in the prefill queue
+    RUNNING = "running"  # held by a PD (or both) worker
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_queued_requests: int = 1024  # waiting + ready; beyond that, submit answers busy
+    max_encode_attempts: int = 3
+    max_pd_attempts: int = 3
+    busy_retry_after_s: float = 0.5
+    max_timeout_s: float = 3600.0
+    locality_scan: int = 64  # free PD workers examined for one on the embeddings' node
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1")
+        if self.max_encode_attempts < 1 or self.max_pd_attempts < 1:
+            raise ValueError("attempt caps must be >= 1")
+        if self.busy_retry_after_s < 0 or self.max_timeout_s <= 0:
+            raise ValueError("retry hint must be >= 0 and max timeout > 0")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    role: Role
+    node: str
+    capacity: int
+    ring_capacity: int = 0
+    inflight: set = field(default_factory=set)  # encode job ids, or request ids for PD roles
+    listed: bool = False  # present in the free list of its role
+
+    @property
+    def credit(self) -> int:
+        return self.capacity - len(self.inflight)
+
+
+@dataclass(slots=True)
+class EncodeJob:
+    job_id: int
+    key: bytes
+    image: Any  # the image file bytes (a frame or bytes), kept for re-queueing
+    attempts: int = 0
+    worker: str | None = None
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    ref: EmbedRef
+    pinned: bool = True  # encoders write new entries pinned
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    client: bytes
+    route: str  # "epd" | "colocated"
+    keys: list[bytes]  # per image, prompt order (duplicates kept)
+    images: list[Any]
+    deadline: float
+    payload: Any  # the Submit message, forwarded to the PD worker
+    admitted_at: float
+    state: ReqState = ReqState.WAITING
+    pending: set = field(default_factory=set)
+    ready_at: float = 0.0
+    dispatched_at: float = 0.0
+    worker: str | None = None
+    streamed: bool = False
+    attempts: int = 0
+    cache_hits: int = 0
+
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass(slots=True)
+class SendEncode:
+    worker_id: str
+    job: EncodeJob
+
+
+@dataclass(slots=True)
+class SendPrefill:
+    worker_id: str
+    request: Request
+    refs: list[EmbedRef]  # per image in prompt order; empty on the colocated route
+
+
+@dataclass(slots=True)
+class SendPin:
+    worker_id: str
+    entries: list[EntryId]
+
+
+@dataclass(slots=True)
+class SendUnpin:
+    worker_id: str
+    entries: list[EntryId]
+
+
+@dataclass(slots=True)
+class SendAbort:
+    worker_id: str
+    rid: str
+
+
+@dataclass(slots=True)
+class Fail:
+    rid: str
+    client: bytes
+    error: EpdqError
+
+
+Action = SendEncode | SendPrefill | SendPin | SendUnpin | SendAbort | Fail
+
+COUNTERS = (
+    "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
+    "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
+    "cache_hits", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
+)  # fmt: skip
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.cfg = config or SchedulerConfig()
+        self.clock = clock
+        self.workers: dict[str, WorkerState] = {}
+        self._free: dict[Role, deque[str]] = {r: deque() for r in Role}
+        self.requests: dict[str, Request] = {}
+        self.index: dict[bytes, IndexEntry] = {}
+        self.jobs: dict[bytes, EncodeJob] = {}  # key -> queued or running encode
+        self._jobs_by_id: dict[int, EncodeJob] = {}
+        self._encode_queue: deque[EncodeJob] = deque()
+        self._ready: dict[str, deque[str]] = {"epd": deque(), "colocated": deque()}
+        self.users: dict[bytes, set[str]] = {}  # key -> live EPD requests referencing it
+        self._deadlines: list[tuple[float, str]] = []
+        self._next_job = 1
+        self._actions: list[Action] = []
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.queued = 0  # requests waiting or ready
+
+    # ------------------------------------------------------------ plumbing
+
+    def take_actions(self) -> list[Action]:
+        out, self._actions = self._actions, []
+        return out
+
+    def _emit(self, action: Action) -> None:
+        self._actions.append(action)
+
+    def _list_free(self, w: WorkerState) -> None:
+        if not w.listed and w.credit > 0 and w.worker_id in self.workers:
+            w.listed = True
+            self._free[w.role].append(w.worker_id)
+
+    def _pop_free(self, role: Role, prefer_node: str | None = None) -> WorkerState | None:
+        free = self._free[role]
+        if prefer_node is not None:
+            for i, wid in enumerate(free):
+                if i >= self.cfg.locality_scan:
+                    break
+                w = self.workers.get(wid)
+                if w is not None and w.node == prefer_node and w.credit > 0:
+                    del free[i]
+                    w.listed = False
+                    return w
+        while free:
+            w = self.workers.get(free.popleft())
+            if w is None:
+                continue
+            w.listed = False
+            if w.credit > 0:
+                return w
+        return None
+
+    def _take_slot(self, w: WorkerState, token: Any) -> None:
+        w.inflight.add(token)
+        self._list_free(w)  # back of the line: round robin among workers with credit
+
+    def _release_slot(self, w: WorkerState | None, token: Any) -> None:
+        if w is not None and token in w.inflight:
+            w.inflight.discard(token)
+            self._list_free(w)
+
+    # ------------------------------------------------------------ workers
+
+    def add_worker(self, worker_id: str, role: Role, node: str, capacity: int, ring_capacity: int = 0) -> None:
+        if capacity < 1:
+            raise InvalidInputError("worker capacity must be >= 1")
+        if worker_id in self.workers:
+            self.remove_worker(worker_id, "re-registered")
+        w = WorkerState(worker_id, Role(role), node, capacity, ring_capacity)
+        self.workers[worker_id] = w
+        self._list_free(w)
+        self.dispatch()
+
+    def remove_worker(self, worker_id: str, reason: str = "lost") -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        self.counters["workers_lost"] += 1
+        if w.role is Role.ENCODER:
+            for job_id in list(w.inflight):
+                job = self._jobs_by_id.get(job_id)
+                if job is not None:
+                    job.worker = None
+                    self._retry_encode(job, WorkerLostError(f"encoder {worker_id} {reason}"))
+            for key in [k for k, e in self.index.items() if e.ref.encoder_id == worker_id]:
+                self._drop_entry(key)
+        else:
+            for rid in list(w.inflight):
+                req = self.requests.get(rid)
+                if req is None or req.worker != worker_id:
+                    continue
+                if req.streamed or req.attempts + 1 >= self.cfg.max_pd_attempts:
+                    self._finish(req, WorkerLostError(f"worker {worker_id} {reason} while running the request"))
+                else:
+                    req.attempts += 1
+                    self.counters["pd_requeues"] += 1
+                    req.worker = None
+                    self.queued += 1
+                    self._make_ready(req, front=True)
+        self.dispatch()
+
+    # ------------------------------------------------------------ requests
+
+    def submit(
+        self, rid: str, client: bytes, keys: list[bytes], images: list[Any], timeout_s: float,
+        payload: Any, route: str = "auto",
+    ) -> None:  # fmt: skip
+        """Admit a request or raise BusyError / InvalidInputError."""
+        if rid in self.requests:
+            raise InvalidInputError(f"request id {rid!r} is already in use", request_id=rid)
+        if not 0 < timeout_s <= self.cfg.max_timeout_s:
+            raise InvalidInputError(f"timeout must be in (0, {self.cfg.max_timeout_s}] s", request_id=rid)
+        if self.queued >= self.cfg.max_queued_requests:
+            self.counters["busy_rejections"] += 1
+            raise BusyError(
+                f"{self.queued} requests queued (limit {self.cfg.max_queued_requests})",
+                retry_after=self.cfg.busy_retry_after_s, request_id=rid,
+            )  # fmt: skip
+        route = self._resolve_route(route)
+        if route == "epd" and len(keys) != len(images):
+            raise InvalidInputError("one key per image is required", request_id=rid)
+        now = self.clock()
+        req = Request(rid, client, route, list(keys), list(images), now + timeout_s, payload, now)
+        self.requests[rid] = req
+        self.queued += 1
+        self.counters["requests_submitted"] += 1
+        heapq.heappush(self._deadlines, (req.deadline, rid))
+        if route == "epd":
+            for key in dict.fromkeys(keys):
+                self._reference(req, key)
+        if not req.pending:
+            self._make_ready(req)
+        self.dispatch()
+
+    def _resolve_route(self, route: str) -> str:
+        if route in ("epd", "colocated"):
+            return route
+        if route != "auto":
+            raise InvalidInputError(f"unknown route {route!r}; use auto, epd or colocated")
+        roles = {w.role for w in self.workers.values()}
+        if Role.BOTH in roles and not (Role.PD in roles and Role.ENCODER in roles):
+            return "colocated"
+        return "epd"
+
+    def _reference(self, req: Request, key: bytes) -> None:
+        users = self.users.setdefault(key, set())
+        users.add(req.rid)
+        entry = self.index.get(key)
+        if entry is not None:
+            req.cache_hits += 1
+            self.counters["cache_hits"] += 1
+            if not entry.pinned:
+                entry.pinned = True
+                self._emit(SendPin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
+            return
+        req.pending.add(key)
+        if key in self.jobs:
+            req.cache_hits += 1
+            self.counters["dedup_joins"] += 1
+            return
+        self._new_job(key, req.images[req.keys.index(key)])
+
+    def _new_job(self, key: bytes, image: Any) -> None:
+        job = EncodeJob(self._next_job, key, image)
+        self._next_job += 1
+        self.jobs[key] = job
+        self._jobs_by_id[job.job_id] = job
+        self._encode_queue.append(job)
+        self.counters["encodes_queued"] += 1
+
+    def _make_ready(self, req: Request, front: bool = False) -> None:
+        req.state = ReqState.READY
+        req.ready_at = req.ready_at or self.clock()
+        q = self._ready[req.route]
+        q.appendleft(req.rid) if front else q.append(req.rid)
+
+    def _unreference(self, req: Request) -> None:
+        for key in dict.fromkeys(req.keys) if req.route == "epd" else ():
+            users = self.users.get(key)
+            if users is None:
+                continue
+            users.discard(req.rid)
+            if users:
+                continue
+            del self.users[key]
+            entry = self.index.get(key)
+            if entry is not None and entry.pinned:
+                entry.pinned = False
+                self._emit(SendUnpin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
+
+    def _finish(self, req: Request, error: EpdqError | None = None) -> None:
+        """End a request: release its references and slot; report `error` to the client."""
+        if req.state is ReqState.DONE:
+            return
+        if req.state in (ReqState.WAITING, ReqState.READY):
+            self.queued -= 1
+        elif req.state is ReqState.RUNNING and error is not None and req.worker is not None:
+            # the PD worker's slot stays taken until it acknowledges the abort
+            self._emit(SendAbort(req.worker, req.rid))
+        req.state = ReqState.DONE
+        del self.requests[req.rid]
+        self._unreference(req)
+        if error is None:
+            self.counters["requests_completed"] += 1
+        else:
+            self.counters["requests_failed"] += 1
+            if not isinstance(error, CancelledError):
+                error.request_id = req.rid
+                self._emit(Fail(req.rid, req.client, error))
+
+    def cancel(self, rid: str, client: bytes | None = None) -> bool:
+        req = self.requests.get(rid)
+        if req is None or (client is not None and req.client != client):
+            return False
+        self.counters["cancelled"] += 1
+        self._finish(req, CancelledError("cancelled by the client"))
+        self.dispatch()
+        return True
+
+    def expire(self) -> float | None:
+        """Fail every request past its deadline; return the next deadline (or None)."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            req = self.requests.get(rid)
+            if req is not None and req.deadline <= now:
+                self.counters["deadline_exceeded"] += 1
+                self._finish(req, DeadlineExceededError(f"deadline passed while {req.state.value}"))
+        if self._actions:
+            self.dispatch()
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # ------------------------------------------------------------ encoder events
+
+    def on_encoded(self, worker_id: str, job_id: int, ref: EmbedRef) -> None:
+        w = self.workers.get(worker_id)
+        self._release_slot(w, job_id)
+        job = self._jobs_by_id.get(job_id)
+        if job is None or job.worker != worker_id or ref.key != job.key:
+            # a job re-queued meanwhile, or a confused worker: the entry is nobody's, let it go
+            self._emit(SendUnpin(worker_id, [EntryId(ref.key, ref.generation)]))
+            self.dispatch()
+            return
+        del self._jobs_by_id[job_id]
+        del self.jobs[job.key]
+        self.counters["encodes_done"] += 1
+        key = job.key
+        users = self.users.get(key, set())
+        if key in self.index or not users:
+            # a duplicate of a resident entry, or nobody waits any more: resident but unpinned
+            self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
+        if key not in self.index:
+            self.index[key] = IndexEntry(ref, pinned=bool(users))
+        for rid in users:
+            req = self.requests[rid]
+            req.pending.discard(key)
+            if not req.pending and req.state is ReqState.WAITING:
+                self._make_ready(req)
+        self.dispatch()
+
+    def on_encode_failed(self, worker_id: str, job_id: int, code: str, message: str) -> None:
+        self._release_slot(self.workers.get(worker_id), job_id)
+        job = self._jobs_by_id.get(job_id)
+        if job is None or job.worker != worker_id:
+            self.dispatch()
+            return
+        job.worker = None
+        self.counters["encode_failures"] += 1
+        err = error_from_code(code, message)
+        if err.retryable:
+            self._retry_encode(job, err)
+        else:
+            self._fail_job(job, err)
+        self.dispatch()
+
+    def _retry_encode(self, job: EncodeJob, err: EpdqError) -> None:
+        if job.attempts >= self.cfg.max_encode_attempts:
+            self._fail_job(job, type(err)(f"encode failed {job.attempts} times; last: {err.message}"))
+            return
+        self.counters["encode_requeues"] += 1
+        self._encode_queue.appendleft(job)
+
+    def _fail_job(self, job: EncodeJob, err: EpdqError) -> None:
+        self.jobs.pop(job.key, None)
+        self._jobs_by_id.pop(job.job_id, None)
+        for rid in list(self.users.get(job.key, ())):
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, error_from_code(err.code, err.message))
+
+    def on_evicted(self, worker_id: str, entries: list[EntryId]) -> None:
+        for e in entries:
+            entry = self.index.get(e.key)
+            if entry is not None and entry.ref.encoder_id == worker_id and entry.ref.generation == e.generation:
+                self.counters["evictions"] += 1
+                self._drop_entry(e.key)
+        self.dispatch()
+
+    def _drop_entry(self, key: bytes) -> None:
+        """Forget a resident entry; live requests that still need it go back to waiting."""
+        del self.index[key]
+        for rid in self.users.get(key, ()):
+            req = self.requests[rid]
+            if req.state is ReqState.RUNNING:
+                continue  # its PD worker reports a stale read, or has already copied the bytes
+            req.state = ReqState.WAITING  # its stale slot in the ready queue is skipped
+            req.pending.add(key)
+            if key not in self.jobs:
+                self._new_job(key, req.images[req.keys.index(key)])
+
+    # ------------------------------------------------------------ PD events
+
+    def on_tokens(self, worker_id: str, rid: str, finished: bool) -> Request | None:
+        """A token chunk arrived; returns the live request it belongs to (None if gone)."""
+        req = self.requests.get(rid)
+        if req is None or req.worker != worker_id:
+            if finished:
+                self._release_slot(self.workers.get(worker_id), rid)
+                self.dispatch()
+            return None
+        req.streamed = True
+        if finished:
+            self._release_slot(self.workers.get(worker_id), rid)
+            self._finish(req)
+            self.dispatch()
+        return req
+
+    def on_pd_failed(self, worker_id: str, rid: str, code: str, message: str, stale: list[EntryId]) -> None:
+        self._release_slot(self.workers.get(worker_id), rid)
+        req = self.requests.get(rid)
+        if req is None or req.worker != worker_id:
+            self.dispatch()
+            return
+        if stale and not req.streamed and req.attempts + 1 < self.cfg.max_pd_attempts:
+            self.counters["stale_reads"] += 1
+            req.attempts += 1
+            req.worker = None
+            req.state = ReqState.WAITING
+            self.queued += 1
+            for e in stale:
+                entry = self.index.get(e.key)
+                if entry is not None and entry.ref.generation == e.generation:
+                    self._drop_entry(e.key)  # puts the key back in every user's pending set
+            if not req.pending:
+                self._make_ready(req, front=True)
+        else:
+            self._finish(req, error_from_code(code, message))
+        self.dispatch()
+
+    # ------------------------------------------------------------ dispatch
+
+    def dispatch(self) -> None:
+        q = self._encode_queue
+        while q and self._free[Role.ENCODER]:
+            job = q[0]
+            if job.worker is not None or self._jobs_by_id.get(job.job_id) is not job or not self.users.get(job.key):
+                q.popleft()  # stale queue slot, or nobody needs the image any more
+                if self._jobs_by_id.get(job.job_id) is job and job.worker is None:
+                    self._jobs_by_id.pop(job.job_id)
+                    self.jobs.pop(job.key, None)
+                continue
+            w = self._pop_free(Role.ENCODER)
+            if w is None:
+                break
+            q.popleft()
+            job.worker = w.worker_id
+            job.attempts += 1
+            self._take_slot(w, job.job_id)
+            self._emit(SendEncode(w.worker_id, job))
+        self._dispatch_ready("epd", Role.PD)
+        self._dispatch_ready("colocated", Role.BOTH)
+
+    def _dispatch_ready(self, route: str, role: Role) -> None:
+        q = self._ready[route]
+        while q and self._free[role]:
+            req = self.requests.get(q[0])
+            if req is None or req.state is not ReqState.READY:
+                q.popleft()
+                continue
+            refs = [self.index[k].ref for k in req.keys] if route == "epd" else []
+            node = _majority_node(refs)
+            w = self._pop_free(role, node)
+            if w is None:
+                break
+            q.popleft()
+            req.state = ReqState.RUNNING
+            req.worker = w.worker_id
+            req.dispatched_at = self.clock()
+            self.queued -= 1
+            self._take_slot(w, req.rid)
+            self._emit(SendPrefill(w.worker_id, req, refs))
+
+    # ------------------------------------------------------------ introspection
+
+    def gauges(self) -> dict[str, float]:
+        states = {s: 0 for s in ReqState}
+        for r in self.requests.values():
+            states[r.state] += 1
+        return {
+            "requests_waiting": states[ReqState.WAITING],
+            "requests_ready": states[ReqState.READY],
+            "requests_running": states[ReqState.RUNNING],
+            "requests_queued": self.queued,
+            "encode_queue": sum(1 for j in self.jobs.values() if j.worker is None),
+            "encodes_inflight": sum(1 for j in self.jobs.values() if j.worker is not None),
+            "index_entries": len(self.index),
+            "index_bytes": sum(e.ref.nbytes for e in self.index.values()),
+            "index_pinned": sum(1 for e in self.index.values() if e.pinned),
+        }
+
+
+def _majority_node(refs: list[EmbedRef]) -> str | None:
+    if not refs:
+        return None
+    weight: dict[str, int] = {}
+    for r in refs:
+        weight[r.node] = weight.get(r.node, 0) + r.nbytes
+    return max(weight, key=weight.__getitem__)

@@ -1,0 +1,158 @@
+"""Socket creation and a callback-driven channel on the asyncio loop.
+
+Every socket in epdq is made by `make_socket`, so options are set in one place: LINGER 0 (close
+never hangs), unlimited high-water marks (flow control is done with credits, never by ZeroMQ
+blocking a send: see notes/zmq.md), ROUTER_MANDATORY (an unknown or departed peer is an error we
+see, not a silent drop) and ROUTER_HANDOVER (a restarted worker may reuse its identity).
+
+`Channel` reads a plain (non-asyncio) ZeroMQ socket from the event loop's reader callback and
+drains every ready message per wake-up, then hands each one to a synchronous handler. That avoids
+a Future per message, and sends are NOBLOCK calls that cannot stall the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES_DEFAULT = 64 * 2**20
+
+
+class PeerUnreachable(Exception):
+    """A ROUTER send found no connected peer with that identity."""
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    identity: bytes | None = None,
+    bind: str | None = None,
+    connect: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
+) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        # larger frames disconnect the sender before the bytes reach us
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if bind is not None:
+            _prepare_ipc(bind)
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _prepare_ipc(address: str) -> None:
+    """ipc endpoints live in a directory only this user can enter."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://") :]
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    ep = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return ep.decode() if isinstance(ep, bytes) else str(ep)
+
+
+class Channel:
+    """Drive one socket from the running loop: `handler(frames)` for every message received."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        handler: Callable[[list[Any]], None],
+        *,
+        batch: int = 512,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.sock = sock
+        self._handler = handler
+        self._batch = batch
+        self._on_error = on_error
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = sock.getsockopt(zmq.FD)
+        self._check_scheduled = False
+        self.closed = False
+        self.received = 0
+        self.sent = 0
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_check()
+
+    def _schedule_check(self) -> None:
+        # the ZeroMQ FD is edge-like: any socket call may consume the wake-up, so look again soon
+        if not self._check_scheduled and self._loop is not None and not self.closed:
+            self._check_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._check_scheduled = False
+        if self.closed:
+            return
+        for _ in range(self._batch):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if self.closed or e.errno == zmq.ENOTSOCK:
+                    return
+                raise
+            self.received += 1
+            try:
+                self._handler(frames)
+            except Exception as e:  # one bad message must never stop the loop
+                if self._on_error is not None:
+                    self._on_error(e)
+                else:
+                    log.exception("message handler failed")
+            if self.closed:
+                return
+        self._schedule_check()  # batch exhausted: yield to other tasks, then continue
+
+    def send(self, frames: list[Any], *, copy: bool = True) -> None:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerUnreachable(str(e)) from None
+            raise
+        finally:
+            self._schedule_check()
+        self.sent += 1
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 gives a last message (a BYE) time to leave."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._fd)
+            except (ValueError, OSError):
+                pass
+        self.sock.close(linger=linger_ms)

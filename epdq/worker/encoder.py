@@ -1,0 +1,196 @@
+"""Encoder worker: pulls encode jobs, runs the vision tower in batches, writes the ring.
+
+Jobs arrive as the broker spends our credit; everything held when the engine becomes free is
+encoded in ONE forward. Each embedding goes into this process's shared-memory ring (pinned), and
+a small completion event with its location goes back to the broker. Bytes for PD workers on
+other nodes are served from the ring by a fetch socket (ROUTER) this worker binds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from epdq import protocol as P
+from epdq.engines.base import EncodedImage, VisionEngine
+from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.media import decode_image
+from epdq.ring import RingWriter
+from epdq.transport import Channel, bound_endpoint, make_socket
+
+log = logging.getLogger("epdq.encoder")
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    key: bytes
+    image: Any  # file bytes (a zmq frame)
+
+
+class EncoderWorker:
+    def __init__(
+        self,
+        engine: VisionEngine,
+        ring: RingWriter,
+        *,
+        worker_id: str,
+        node: str,
+        max_image_bytes: int,
+        max_image_pixels: int,
+        fetch_bind: str = "tcp://127.0.0.1:*",
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.engine = engine
+        self.ring = ring
+        self.worker_id = worker_id
+        self.node = node
+        self.max_image_bytes = max_image_bytes
+        self.max_image_pixels = max_image_pixels
+        self._ctx = ctx or zmq.Context.instance()
+        self._fetch_bind = fetch_bind
+        self._jobs: deque[_Job] = deque()
+        self._blocked: deque[tuple[_Job, EncodedImage, float]] = deque()  # waiting for ring space
+        self._wake = asyncio.Event()
+        self._fetch: Channel | None = None
+        self.fetch_endpoint = ""
+        self.link: Any = None  # BrokerLink, set by the runner
+        self.encoded = 0
+
+    def open_fetch_socket(self) -> str:
+        sock = make_socket(self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096)
+        self._fetch = Channel(sock, self._on_fetch)
+        self.fetch_endpoint = bound_endpoint(sock)
+        return self.fetch_endpoint
+
+    def start(self) -> None:
+        if self._fetch is not None:
+            self._fetch.start()
+
+    # ------------------------------------------------------------ broker messages
+
+    def handle(self, msg: Any, payload: list[Any]) -> None:
+        if isinstance(msg, P.Encode):
+            self._jobs.append(_Job(msg.job_id, msg.key, payload[0]))
+            self._wake.set()
+        elif isinstance(msg, P.Pin):
+            for e in msg.entries:
+                if not self.ring.pin(e.key, e.generation):
+                    # already gone: tell the broker so waiting requests re-encode
+                    self.link.send(P.Evicted([e]))
+        elif isinstance(msg, P.Unpin):
+            for e in msg.entries:
+                self.ring.unpin(e.key, e.generation)
+            if self._blocked:
+                self._wake.set()
+        else:
+            log.debug("encoder ignores %s", type(msg).__name__)
+
+    # ------------------------------------------------------------ encode loop
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._retry_blocked()
+            if not self._jobs:
+                continue
+            batch = list(self._jobs)
+            self._jobs.clear()
+            await self._encode_batch(batch)
+            if self._jobs:
+                self._wake.set()
+
+    async def _encode_batch(self, batch: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        good: list[_Job] = []
+        images = []
+        for job in batch:
+            try:
+                images.append(decode_image(job.image, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels))
+                good.append(job)
+            except EpdqError as e:
+                self._fail(job, e)
+        if not good:
+            return
+        try:
+            # the forward runs in a thread so heartbeats and fetches keep flowing
+            outs = await asyncio.to_thread(self.engine.encode, images)
+        except EpdqError as e:
+            for job in good:
+                self._fail(job, e)
+            return
+        except Exception as e:
+            log.exception("vision forward failed")
+            for job in good:
+                self._fail(job, InternalError(f"vision forward failed: {type(e).__name__}: {e}"))
+            return
+        per_image = (time.perf_counter() - t0) / len(good)
+        for job, out in zip(good, outs, strict=True):
+            if self._blocked or not self._store(job, out, per_image):
+                self._blocked.append((job, out, per_image))  # keeps completion order
+        self._report_evictions()
+
+    def _store(self, job: _Job, out: EncodedImage, encode_s: float) -> bool:
+        try:
+            loc = self.ring.write(job.key, out.embeds)
+        except RingFullError as e:
+            self._fail(job, e)
+            return True
+        if loc is None:
+            return False  # every candidate region is pinned; retried after the next unpin
+        t = out.embeds
+        ref = P.EmbedRef(
+            job.key, self.worker_id, self.node, self.ring.name, loc.offset, loc.nbytes, loc.generation,
+            str(t.dtype).removeprefix("torch."), list(t.shape), list(out.grid_thw), self.fetch_endpoint,
+        )  # fmt: skip
+        self.encoded += 1
+        self.link.send(P.Encoded(job.job_id, ref, encode_s))
+        return True
+
+    def _retry_blocked(self) -> None:
+        while self._blocked:
+            job, out, encode_s = self._blocked[0]
+            if not self._store(job, out, encode_s):
+                break
+            self._blocked.popleft()
+        self._report_evictions()
+
+    def _report_evictions(self) -> None:
+        ev = self.ring.drain_evicted()
+        if ev:
+            self.link.send(P.Evicted([P.EntryId(k, g) for k, g in ev]))
+
+    def _fail(self, job: _Job, err: EpdqError) -> None:
+        self.link.send(P.EncodeFailed(job.job_id, job.key, err.code, err.message))
+
+    # ------------------------------------------------------------ remote fetch
+
+    def _on_fetch(self, frames: list[Any]) -> None:
+        assert self._fetch is not None
+        ident = frames[0]
+        try:
+            msg, _ = P.decode(frames[1:], max_payload_frames=0)
+        except ProtocolError:
+            return
+        if not isinstance(msg, P.Fetch):
+            return
+        try:
+            data = self.ring.read_bytes(msg.offset, msg.nbytes, msg.key, msg.generation)
+        except (StaleEmbeddingError, EpdqError) as e:
+            self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce, e.code, e.message))])
+            return
+        except Exception as e:  # bad offsets from a confused peer must not kill the encoder
+            self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce, "invalid_input", str(e)[:200]))])
+            return
+        self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce)), data], copy=False)
+
+    def close(self) -> None:
+        if self._fetch is not None:
+            self._fetch.close()

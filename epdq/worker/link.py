@@ -1,0 +1,118 @@
+"""A worker's connection to the broker: registration, heartbeats, typed sends.
+
+Messages from the broker reach `handler(msg, payload)` on the loop. A BYE from the broker (it
+restarted and does not know us, or it is shutting down) triggers re-registration; a broker that
+stays silent for `liveness` heartbeats is treated as gone and the link reconnects with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from epdq import protocol as P
+from epdq.errors import ProtocolError
+from epdq.transport import Channel, make_socket
+
+log = logging.getLogger("epdq.worker")
+
+
+class BrokerLink:
+    def __init__(
+        self,
+        address: str,
+        register: P.Register,
+        handler: Callable[[Any, list[Any]], None],
+        *,
+        heartbeat_s: float = 1.0,
+        liveness: int = 5,
+        ctx: zmq.Context | None = None,
+        max_message_bytes: int = 64 * 2**20,
+    ) -> None:
+        self.address = address
+        self.register = register
+        self._handler = handler
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self._ctx = ctx or zmq.Context.instance()
+        self._max_bytes = max_message_bytes
+        self._channel: Channel | None = None
+        self._last_heard = 0.0
+        self._task: asyncio.Task | None = None
+        self.registered = asyncio.Event()
+        self.closed = False
+        self.reconnects = 0
+
+    def start(self) -> None:
+        self._connect()
+        self._task = asyncio.create_task(self._beat())
+
+    def _connect(self) -> None:
+        sock = make_socket(
+            self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
+            max_message_bytes=self._max_bytes,
+        )  # fmt: skip
+        self._channel = Channel(sock, self._on_frames)
+        self._channel.start()
+        self._last_heard = time.monotonic()
+        self.registered.clear()
+        self.send(self.register)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            msg, payload = P.decode(frames, max_payload_frames=64)
+        except ProtocolError as e:
+            log.warning("ignored a malformed message from the broker: %s", e)
+            return
+        self._last_heard = time.monotonic()
+        if isinstance(msg, P.Registered):
+            self.heartbeat_s = msg.heartbeat_s
+            self.registered.set()
+            log.info("registered with broker %s as %s", self.address, self.register.worker_id)
+        elif isinstance(msg, P.Bye):
+            log.warning("broker said bye (%s); registering again", msg.reason)
+            self.registered.clear()
+            self.send(self.register)
+        elif isinstance(msg, P.Heartbeat):
+            pass
+        else:
+            self._handler(msg, payload)
+
+    async def _beat(self) -> None:
+        backoff = self.heartbeat_s
+        while not self.closed:
+            await asyncio.sleep(self.heartbeat_s)
+            if time.monotonic() - self._last_heard > self.heartbeat_s * self.liveness:
+                log.warning("broker silent for %.1fs; reconnecting", time.monotonic() - self._last_heard)
+                if self._channel is not None:
+                    self._channel.close()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 32.0)
+                self.reconnects += 1
+                self._connect()
+                continue
+            backoff = self.heartbeat_s
+            self.send(P.Heartbeat())
+
+    def send(self, msg: Any, payload: list[Any] = (), *, copy: bool = True) -> None:
+        if self._channel is None or self._channel.closed:
+            return
+        self._channel.send(P.encode(msg) + list(payload), copy=copy)
+
+    def close(self, reason: str = "shutdown") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+        if self._channel is not None:
+            try:
+                self.send(P.Bye(reason))
+            except zmq.ZMQError:
+                pass
+            self._channel.close(linger_ms=200)

@@ -1,0 +1,215 @@
+"""PD worker: runs prefill+decode in a PDEngine fed precomputed image embeddings.
+
+Each PREFILL becomes a task: read the embeddings (a view of the ring copied once on the same
+node; fetched from the owning encoder over ZeroMQ from another node), check their hash and
+generation, run the engine, stream token deltas to the broker. Role `both` gets image files
+instead and lets the engine encode them (the colocated baseline). Every request ends with a
+final TOKENS (finish_reason set) or a PD_FAILED, so the broker's credit accounting stays exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+import torch
+import zmq
+
+from epdq import protocol as P
+from epdq.engines.base import PDEngine, SamplingSpec
+from epdq.errors import EngineError, EpdqError, InvalidInputError, ProtocolError, StaleEmbeddingError
+from epdq.media import decode_image
+from epdq.ring import RingReader
+from epdq.transport import Channel, make_socket
+
+log = logging.getLogger("epdq.pd")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RemoteFetcher:
+    """Fetches ring bytes from encoders on other nodes (one DEALER per encoder endpoint)."""
+
+    def __init__(self, ctx: zmq.Context, *, timeout_s: float = 10.0, max_bytes: int = 512 * 2**20):
+        self._ctx = ctx
+        self._channels: dict[str, Channel] = {}
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._nonce = itertools.count(1)
+        self.timeout_s = timeout_s
+        self._max_bytes = max_bytes
+
+    def _channel(self, endpoint: str) -> Channel:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")
+            sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes)
+            ch = Channel(sock, self._on_frames)
+            ch.start()
+            self._channels[endpoint] = ch
+        return ch
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            msg, payload = P.decode(frames, max_payload_frames=1)
+        except ProtocolError:
+            return
+        if isinstance(msg, P.Fetched):
+            fut = self._waiters.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result((msg, payload))
+
+    async def fetch(self, ref: P.EmbedRef) -> memoryview:
+        nonce = next(self._nonce)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[nonce] = fut
+        try:
+            self._channel(ref.fetch_endpoint).send(
+                P.encode(P.Fetch(nonce, ref.key, ref.generation, ref.offset, ref.nbytes))
+            )
+            msg, payload = await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            raise StaleEmbeddingError(f"encoder {ref.encoder_id} did not answer a fetch") from None
+        finally:
+            self._waiters.pop(nonce, None)
+        if msg.code:
+            raise StaleEmbeddingError(f"remote fetch failed: {msg.code}: {msg.message}")
+        data = payload[0].buffer if hasattr(payload[0], "buffer") else memoryview(payload[0])
+        if data.nbytes != ref.nbytes:
+            raise StaleEmbeddingError("remote fetch returned the wrong number of bytes")
+        return data
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+
+class PDWorker:
+    def __init__(
+        self,
+        engine: PDEngine,
+        *,
+        worker_id: str,
+        node: str,
+        colocated: bool,
+        max_image_bytes: int,
+        max_image_pixels: int,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.node = node
+        self.colocated = colocated
+        self.max_image_bytes = max_image_bytes
+        self.max_image_pixels = max_image_pixels
+        self._ctx = ctx or zmq.Context.instance()
+        self.reader = RingReader()
+        self.fetcher = RemoteFetcher(self._ctx)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.link: Any = None
+        self.local_reads = 0
+        self.remote_reads = 0
+
+    def handle(self, msg: Any, payload: list[Any]) -> None:
+        if isinstance(msg, P.Prefill):
+            if msg.request_id in self._tasks:
+                return  # duplicate delivery; the running task answers
+            task = asyncio.create_task(self._run(msg, payload))
+            self._tasks[msg.request_id] = task
+            task.add_done_callback(lambda _t, rid=msg.request_id: self._tasks.pop(rid, None))
+        elif isinstance(msg, P.Abort):
+            task = self._tasks.get(msg.request_id)
+            if task is not None:
+                task.cancel()
+        else:
+            log.debug("pd worker ignores %s", type(msg).__name__)
+
+    async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
+        rid = msg.request_id
+        try:
+            async with asyncio.timeout(msg.timeout_s):
+                await self._generate(msg, payload)
+        except asyncio.CancelledError:
+            await self._abort_engine(rid)
+            self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
+        except TimeoutError:
+            await self._abort_engine(rid)
+            self.link.send(P.PdFailed(rid, "deadline", "deadline passed on the PD worker"))
+        except StaleEmbeddingError as e:
+            stale = [P.EntryId(r.key, r.generation) for r in msg.embeds]
+            self.link.send(P.PdFailed(rid, e.code, e.message, stale))
+        except EpdqError as e:
+            self.link.send(P.PdFailed(rid, e.code, e.message))
+        except Exception as e:
+            log.exception("request %s failed in the engine", rid)
+            self.link.send(P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
+
+    async def _abort_engine(self, rid: str) -> None:
+        try:
+            await self.engine.abort(rid)
+        except Exception:
+            log.exception("abort of %s failed", rid)
+
+    async def _generate(self, msg: P.Prefill, payload: list[Any]) -> None:
+        s = msg.sampling
+        try:
+            sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop))
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
+        prompt = self.engine.render_prompt(P.messages_to_openai(msg.messages))
+        kwargs: dict[str, Any] = {}
+        if self.colocated:
+            if msg.embeds:
+                raise InvalidInputError("a colocated worker takes images, not embeddings")
+            if payload:
+                kwargs["images"] = [
+                    decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels) for f in payload
+                ]
+        elif msg.embeds:
+            kwargs["image_embeds"], kwargs["image_grid_thw"] = await self._gather(msg.embeds)
+        elif payload:
+            raise InvalidInputError("a PD worker takes embeddings, not images")
+        final = None
+        async for d in self.engine.generate(msg.request_id, prompt, sampling, **kwargs):
+            if d.finish_reason is not None:
+                final = d
+                break
+            if d.token_ids or d.text:
+                self.link.send(P.Tokens(msg.request_id, list(d.token_ids), d.text))
+        if final is None:
+            raise EngineError("the engine stopped without a finish reason")
+        self.link.send(P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason))
+
+    async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings of every image in prompt order, concatenated, and their grids [n, 3]."""
+        tensors: dict[tuple[bytes, int], torch.Tensor] = {}
+        hidden = self.engine.hidden_size
+        for r in refs:
+            ident = (r.key, r.generation)
+            if ident in tensors:
+                continue
+            dtype = _DTYPES.get(r.dtype)
+            if dtype is None or len(r.shape) != 2 or r.shape[1] != hidden or len(r.grid) != 3:
+                raise InvalidInputError(f"embedding {r.dtype}{r.shape} does not fit this model (hidden {hidden})")
+            if self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
+                raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
+            if r.node == self.node and r.segment:
+                t = self.reader.read(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape))
+                self.local_reads += 1
+            else:
+                data = await self.fetcher.fetch(r)
+                t = torch.frombuffer(bytearray(data), dtype=dtype).reshape(r.shape)
+                self.remote_reads += 1
+            tensors[ident] = t
+        embeds = torch.cat([tensors[(r.key, r.generation)] for r in refs], dim=0)
+        grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
+        return embeds, grid
+
+    def close(self) -> None:
+        for t in self._tasks.values():
+            t.cancel()
+        self.fetcher.close()
+        self.reader.close()

@@ -1,0 +1,155 @@
+"""Build and run one worker process: engine, ring, broker link, until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from epdq import protocol as P
+from epdq.worker.link import BrokerLink
+
+log = logging.getLogger("epdq.worker")
+
+ROLES = ("encoder", "pd", "both")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    role: str
+    broker: str = "tcp://127.0.0.1:7700"
+    model: str = ""  # checkpoint directory; empty = the embedded tiny model
+    node: str = ""  # node id; workers with equal ids share rings (empty = hostname)
+    worker_id: str = ""
+    capacity: int = 0  # jobs held at once (0 = role default)
+    ring_bytes: int = 256 * 2**20
+    dtype: str = "float32"
+    fetch_bind: str = "tcp://127.0.0.1:*"  # where an encoder serves ring bytes to other nodes
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 40_000_000
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 64 * 2**20
+    max_images_per_prompt: int = 8
+    heartbeat_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if "://" not in self.broker:
+            raise ValueError(f"broker address must look like tcp://HOST:PORT, got {self.broker!r}")
+        if self.capacity < 0 or self.capacity > 4096:
+            raise ValueError("capacity must be in [0, 4096]")
+        if self.capacity == 0:
+            self.capacity = 8 if self.role == "encoder" else 16
+        if self.ring_bytes < 2**20:
+            raise ValueError("ring_bytes must be >= 1 MiB")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        self.node = self.node or socket.gethostname()
+        self.worker_id = self.worker_id or f"{self.role}-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if len(self.worker_id) > 128:
+            raise ValueError("worker_id must be at most 128 characters")
+
+
+def resolve_model(model: str) -> str:
+    if model:
+        if not os.path.isdir(model):
+            raise ValueError(f"model directory {model!r} does not exist")
+        return model
+    from epdq.models.tiny import default_model_dir
+
+    return str(default_model_dir())
+
+
+async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set or the task is cancelled."""
+    model = resolve_model(cfg.model)
+    stop = stop or asyncio.Event()
+    if cfg.role == "encoder":
+        await _run_encoder(cfg, model, stop)
+    else:
+        await _run_pd(cfg, model, stop)
+
+
+async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
+    from epdq.engines.vision import HFVisionEncoder
+    from epdq.ring import RingWriter, cleanup_stale_segments
+    from epdq.worker.encoder import EncoderWorker
+
+    removed = cleanup_stale_segments()
+    if removed:
+        log.info("removed %d shared-memory segments left by dead processes", len(removed))
+    engine = await asyncio.to_thread(HFVisionEncoder, model, dtype=cfg.dtype)
+    ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
+    worker = EncoderWorker(
+        engine, ring, worker_id=cfg.worker_id, node=cfg.node, max_image_bytes=cfg.max_image_bytes,
+        max_image_pixels=cfg.max_image_pixels, fetch_bind=cfg.fetch_bind,
+    )  # fmt: skip
+    try:
+        fetch = worker.open_fetch_socket()
+        reg = P.Register(
+            cfg.worker_id, "encoder", cfg.node, cfg.capacity, engine.scope, os.path.basename(model), os.getpid(),
+            ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch,
+        )  # fmt: skip
+        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s)
+        worker.link = link
+        worker.start()
+        link.start()
+        log.info("encoder %s up (ring %s, %d MiB, fetch %s)", cfg.worker_id, ring.name, ring.capacity >> 20, fetch)
+        loop_task = asyncio.create_task(worker.run())
+        try:
+            await _until(stop, loop_task)
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+            link.close()
+    finally:
+        worker.close()
+        ring.close(unlink=True)
+
+
+async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
+    from epdq.engines.vllm_engine import VllmEngine
+    from epdq.worker.pd import PDWorker
+
+    colocated = cfg.role == "both"
+    engine = VllmEngine(
+        model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes, max_images_per_prompt=cfg.max_images_per_prompt,
+    )  # fmt: skip
+    await engine.start()
+    worker = PDWorker(
+        engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
+        max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels,
+    )  # fmt: skip
+    try:
+        reg = P.Register(cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid())
+        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s)
+        worker.link = link
+        link.start()
+        log.info("%s worker %s up", cfg.role, cfg.worker_id)
+        try:
+            await _until(stop, None)
+        finally:
+            worker.close()
+            link.close()
+    finally:
+        await engine.close()
+
+
+async def _until(stop: asyncio.Event, task: asyncio.Task | None) -> None:
+    waiters = [asyncio.create_task(stop.wait())]
+    if task is not None:
+        waiters.append(task)
+    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        if t is not task:
+            t.cancel()
+    for t in done:
+        if t is task and t.exception() is not None:
+            raise t.exception()
