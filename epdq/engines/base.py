@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # Generous for a serving system, small enough that a typo cannot reserve a huge KV budget.
 MAX_TOKENS_CAP = 32768
 FINISH_REASONS = ("stop", "length")
+_IMAGE_PART_TYPES = ("image", "image_url")
+_TEXT_PART_TYPES = ("text",)
+_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(slots=True)
@@ -120,3 +123,36 @@ class PDEngine(Protocol):
     def expected_embed_rows(self, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> int:
         """Rows of `image_embeds` the engine expects for these grids (sum(t*h*w) / merge^2)."""
         ...
+
+
+def validate_messages(messages: object) -> None:
+    """Check OpenAI-style chat messages (content: a string or a list of text/image parts)."""
+    from epdq.errors import InvalidInputError
+
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+            raise InvalidInputError(f"message {i} needs a role in {_ROLES}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise InvalidInputError(f"message {i} content must be a string or a list of parts")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _TEXT_PART_TYPES:
+                if not isinstance(part.get("text"), str):
+                    raise InvalidInputError(f"message {i} part {j}: text part needs a string 'text'")
+            elif kind not in _IMAGE_PART_TYPES:
+                raise InvalidInputError(f"message {i} part {j}: unsupported part type {kind!r}")
+
+
+def count_image_parts(messages: list[dict]) -> int:
+    return sum(
+        1
+        for msg in messages
+        if isinstance(msg.get("content"), list)
+        for part in msg["content"]
+        if part.get("type") in _IMAGE_PART_TYPES
+    )

@@ -22,8 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from epdq.engines.base import Delta, SamplingSpec
-from epdq.engines.prompt import count_image_parts, validate_messages
+from epdq.engines.base import Delta, SamplingSpec, count_image_parts, validate_messages
 from epdq.errors import CancelledError, EngineError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -194,6 +193,9 @@ class VllmEngine:
             raise EngineError(f"engine is dead: {self._dead}", request_id=request_id)
         if self._llm is None:
             raise EngineError("engine not started", request_id=request_id)
+        if self._llm.errored:
+            self._dead = self._llm.dead_error
+            raise EngineError(f"engine is dead: {self._dead}", request_id=request_id)
         request = {"prompt": prompt}
         mm = self._multimodal_data(prompt, image_embeds, image_grid_thw, images)
         if mm is not None:

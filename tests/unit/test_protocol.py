@@ -1,0 +1,83 @@
+import msgspec
+import pytest
+
+from epdq import protocol as P
+from epdq.errors import ProtocolError
+
+
+def _submit(n_images=1):
+    parts = [P.Part("image") for _ in range(n_images)] + [P.Part("text", "hi")]
+    return P.Submit("r1", [P.ChatMessage("user", parts)], P.Sampling(max_tokens=3, stop=["x"]), 5.0, n_images)
+
+
+def test_every_message_round_trips():
+    ref = P.EmbedRef(b"k" * 16, "enc-0", "node", "seg", 64, 512, 7, "float32", [4, 32], [1, 4, 4], "tcp://h:1")
+    samples = [
+        _submit(0), P.Cancel("r"), P.StatsRequest(3), P.Tokens("r", [1, 2], "ab", "stop", P.Timings(0.1, 0.2, 1, 1, "epd")),
+        P.Error("r", "busy", "full", 0.5), P.Stats(1, {"a": 1}, {"g": 0.5}, [P.WorkerInfo("w", "pd", "n", 4, 1)]),
+        P.Register("w", "encoder", "n", 8, "scope", "m", 123, ring_segment="s", ring_capacity=1 << 20),
+        P.Registered("w", 1.0), P.Heartbeat(), P.Bye("x"), P.Encode(4, b"k" * 16), P.Encoded(4, ref, 0.01),
+        P.EncodeFailed(4, b"k", "invalid_input", "bad"), P.Pin([P.EntryId(b"k", 1)]), P.Unpin([]),
+        P.Evicted([P.EntryId(b"k", 2)]), P.Prefill("r", [], P.Sampling(), 3.0, [ref]), P.Abort("r"),
+        P.PdFailed("r", "stale", "m", [P.EntryId(b"k", 1)]), P.Fetch(1, b"k", 2, 0, 10), P.Fetched(1, "stale", "x"),
+    ]  # fmt: skip
+    assert {type(m) for m in samples} == set(P.SCHEMAS.values())
+    for m in samples:
+        frames = P.encode(m) + [b"payload"] * P.payload_count(m)
+        got, payload = P.decode(frames)
+        assert got == m
+        assert len(payload) == P.payload_count(m)
+
+
+def test_type_frame_is_one_byte_and_payload_is_out_of_band():
+    frames = P.encode(_submit(1)) + [b"\x89PNG" + b"x" * 1000]
+    assert frames[0] == bytes([P.MsgType.SUBMIT])
+    assert len(frames[1]) < 200  # the image is not inside the header
+    msg, payload = P.decode(frames)
+    assert payload[0].startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([b"\x01"], "at least 2"),
+        ([b"\x01\x01", b""], "one byte"),
+        ([b"\xff", b"\x90"], "unknown message type"),
+        ([bytes([P.MsgType.CANCEL]), b"\x91\x05"], "bad CANCEL"),
+        ([bytes([P.MsgType.CANCEL]), b"garbage"], "bad CANCEL"),
+        ([bytes([P.MsgType.CANCEL]), msgspec.msgpack.encode(["r", "extra"])], "bad CANCEL"),
+        (P.encode(_submit(2)) + [b"one"], "declares 2 payload frames, got 1"),
+        (P.encode(P.Cancel("r")) + [b"unexpected"], "declares 0"),
+    ],
+)
+def test_malformed_frames_raise_protocol_error(frames, match):
+    with pytest.raises(ProtocolError, match=match):
+        P.decode(frames)
+
+
+def test_payload_frame_cap():
+    with pytest.raises(ProtocolError, match="limit 4"):
+        P.decode(P.encode(_submit(5)) + [b"x"] * 5, max_payload_frames=4)
+
+
+def test_header_size_cap():
+    big = P.Cancel("r" * (P.MAX_HEADER_BYTES + 10))
+    with pytest.raises(ProtocolError, match="header larger"):
+        P.decode(P.encode(big))
+
+
+def test_validate_messages():
+    P.validate_messages(_submit(1).messages, 1)
+    with pytest.raises(ProtocolError, match="reference 1 images but 2"):
+        P.validate_messages(_submit(1).messages, 2)
+    with pytest.raises(ProtocolError, match="unknown role"):
+        P.validate_messages([P.ChatMessage("root", [])], 0)
+    with pytest.raises(ProtocolError, match="unknown content part"):
+        P.validate_messages([P.ChatMessage("user", [P.Part("video")])], 0)
+    with pytest.raises(ProtocolError, match="at least one"):
+        P.validate_messages([], 0)
+
+
+def test_messages_to_openai():
+    out = P.messages_to_openai(_submit(1).messages)
+    assert out == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]

@@ -1,0 +1,286 @@
+"""Scheduling decisions, with an injected clock and no sockets."""
+
+import pytest
+
+from epdq.errors import BusyError, DeadlineExceededError, InvalidInputError, WorkerLostError
+from epdq.protocol import EmbedRef, EntryId
+from epdq.scheduler import (
+    Fail,
+    ReqState,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    SendAbort,
+    SendEncode,
+    SendPin,
+    SendPrefill,
+    SendUnpin,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def K(i):
+    return bytes([i]) * 16
+
+
+def ref_for(job_key, worker="enc-0", node="n1", gen=1, nbytes=1024):
+    return EmbedRef(job_key, worker, node, "seg", 0, nbytes, gen, "float32", [2, 128], [1, 2, 4], "")
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, enc=1, pd=1, enc_cap=4, pd_cap=4, **cfg):
+    s = Scheduler(SchedulerConfig(**cfg), clock=clock)
+    for i in range(enc):
+        s.add_worker(f"enc-{i}", Role.ENCODER, "n1", enc_cap)
+    for i in range(pd):
+        s.add_worker(f"pd-{i}", Role.PD, "n1", pd_cap)
+    return s
+
+
+def submit(s, rid, keys, timeout=10.0, route="auto"):
+    s.submit(rid, b"client", list(keys), [b"img-" + k for k in keys], timeout, payload=None, route=route)
+    return s.take_actions()
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def finish_encode(s, action, gen=1, node="n1"):
+    s.on_encoded(action.worker_id, action.job.job_id, ref_for(action.job.key, action.worker_id, node, gen))
+    return s.take_actions()
+
+
+def test_text_only_goes_straight_to_pd(clock):
+    s = make(clock)
+    acts = submit(s, "r1", [])
+    assert [type(a) for a in acts] == [SendPrefill]
+    assert acts[0].refs == []
+
+
+def test_encoder_credit_is_never_exceeded(clock):
+    s = make(clock, enc_cap=2)
+    encodes = []
+    for i in range(5):
+        encodes += of(submit(s, f"r{i}", [K(i)]), SendEncode)
+    assert len(encodes) == 2
+    assert s.workers["enc-0"].credit == 0
+    acts = finish_encode(s, encodes[0])
+    assert len(of(acts, SendEncode)) == 1  # one credit came back, one job went out
+    assert len(of(acts, SendPrefill)) == 1
+
+
+def test_round_robin_across_encoders(clock):
+    s = make(clock, enc=2, enc_cap=2)
+    workers = [a.worker_id for i in range(4) for a in of(submit(s, f"r{i}", [K(i)]), SendEncode)]
+    assert sorted(workers) == ["enc-0", "enc-0", "enc-1", "enc-1"]
+
+
+def test_concurrent_duplicates_are_encoded_once(clock):
+    s = make(clock)
+    a1 = submit(s, "r1", [K(1)])
+    a2 = submit(s, "r2", [K(1)])
+    assert len(of(a1, SendEncode)) == 1 and not of(a2, SendEncode)
+    assert s.counters["dedup_joins"] == 1
+    acts = finish_encode(s, of(a1, SendEncode)[0])
+    assert {a.request.rid for a in of(acts, SendPrefill)} == {"r1", "r2"}
+
+
+def test_same_image_twice_in_one_request(clock):
+    s = make(clock)
+    acts = submit(s, "r1", [K(1), K(1)])
+    assert len(of(acts, SendEncode)) == 1
+    acts = finish_encode(s, of(acts, SendEncode)[0])
+    (pf,) = of(acts, SendPrefill)
+    assert [r.key for r in pf.refs] == [K(1), K(1)]
+
+
+def test_resident_hit_skips_encoder_and_pins_again(clock):
+    s = make(clock)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    finish_encode(s, enc, gen=7)
+    s.on_tokens("pd-0", "r1", finished=True)
+    acts = s.take_actions()
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 7)])]
+    acts = submit(s, "r2", [K(1)])
+    assert not of(acts, SendEncode)
+    assert of(acts, SendPin) == [SendPin("enc-0", [EntryId(K(1), 7)])]
+    assert len(of(acts, SendPrefill)) == 1
+    assert s.counters["cache_hits"] == 1 and s.counters["encodes_queued"] == 1
+
+
+def test_busy_when_queue_full(clock):
+    s = make(clock, pd=0, enc=0, max_queued_requests=2, busy_retry_after_s=0.25)
+    submit(s, "r1", [])
+    submit(s, "r2", [])
+    with pytest.raises(BusyError) as ei:
+        submit(s, "r3", [])
+    assert ei.value.retry_after == 0.25
+    assert s.counters["busy_rejections"] == 1
+
+
+def test_running_requests_do_not_count_as_queued(clock):
+    s = make(clock, pd_cap=1, max_queued_requests=1)
+    submit(s, "r1", [])  # running
+    submit(s, "r2", [])  # queued
+    with pytest.raises(BusyError):
+        submit(s, "r3", [])
+    s.on_tokens("pd-0", "r1", finished=True)
+    assert of(s.take_actions(), SendPrefill)[0].request.rid == "r2"
+    submit(s, "r3", [])
+
+
+def test_deadline_fails_waiting_and_aborts_running(clock):
+    s = make(clock, pd_cap=1)
+    submit(s, "run", [], timeout=5)
+    submit(s, "wait", [K(1)], timeout=5)
+    clock.t += 6
+    s.expire()
+    acts = s.take_actions()
+    fails = {a.rid: a.error for a in of(acts, Fail)}
+    assert set(fails) == {"run", "wait"}
+    assert all(isinstance(e, DeadlineExceededError) for e in fails.values())
+    assert of(acts, SendAbort) == [SendAbort("pd-0", "run")]
+    # the PD slot is only free once the worker acknowledges the abort
+    assert s.workers["pd-0"].credit == 0
+    s.on_pd_failed("pd-0", "run", "cancelled", "aborted", [])
+    assert s.workers["pd-0"].credit == 1
+
+
+def test_prefers_pd_on_the_embeddings_node(clock):
+    s = Scheduler(clock=clock)
+    s.add_worker("enc-b", Role.ENCODER, "B", 4)
+    s.add_worker("pd-a", Role.PD, "A", 4)
+    s.add_worker("pd-b", Role.PD, "B", 4)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    acts = finish_encode(s, enc, node="B")
+    assert of(acts, SendPrefill)[0].worker_id == "pd-b"
+
+
+def test_dead_encoder_jobs_requeue_then_fail_after_cap(clock):
+    s = make(clock, enc=1, max_encode_attempts=2)
+    submit(s, "r1", [K(1)])
+    s.remove_worker("enc-0")
+    s.add_worker("enc-1", Role.ENCODER, "n1", 4)
+    assert of(s.take_actions(), SendEncode)[0].worker_id == "enc-1"
+    s.remove_worker("enc-1")
+    (fail,) = of(s.take_actions(), Fail)
+    assert isinstance(fail.error, WorkerLostError)
+    assert not s.requests and not s.jobs
+
+
+def test_dead_pd_requeues_unless_streamed(clock):
+    s = make(clock, pd=2, pd_cap=1)
+    submit(s, "r1", [])
+    submit(s, "r2", [])
+    s.on_tokens("pd-0", "r1", finished=False)  # r1 has streamed
+    s.remove_worker("pd-0")
+    s.remove_worker("pd-1")
+    fails = of(s.take_actions(), Fail)
+    assert [f.rid for f in fails] == ["r1"] and isinstance(fails[0].error, WorkerLostError)
+    assert s.requests["r2"].state is ReqState.READY
+    s.add_worker("pd-2", Role.PD, "n1", 1)
+    assert of(s.take_actions(), SendPrefill)[0].request.rid == "r2"
+
+
+def test_eviction_forgets_entry_and_next_request_reencodes(clock):
+    s = make(clock)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    finish_encode(s, enc, gen=3)
+    s.on_tokens("pd-0", "r1", finished=True)
+    s.on_evicted("enc-0", [EntryId(K(1), 3)])
+    assert K(1) not in s.index
+    assert len(of(submit(s, "r2", [K(1)]), SendEncode)) == 1
+
+
+def test_stale_read_reencodes_and_retries(clock):
+    s = make(clock)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    finish_encode(s, enc, gen=3)
+    s.on_pd_failed("pd-0", "r1", "stale", "overwritten", [EntryId(K(1), 3)])
+    acts = s.take_actions()
+    enc2 = of(acts, SendEncode)
+    assert len(enc2) == 1 and s.requests["r1"].state is ReqState.WAITING
+    acts = finish_encode(s, enc2[0], gen=4)
+    assert of(acts, SendPrefill)[0].refs[0].generation == 4
+    assert s.counters["stale_reads"] == 1
+
+
+def test_cancel_waiting_request_drops_unneeded_job(clock):
+    s = make(clock, enc_cap=1)
+    submit(s, "r1", [K(1)])  # takes the only encoder slot
+    submit(s, "r2", [K(2)])  # queued encode
+    assert s.cancel("r2", b"client")
+    enc = of(s.take_actions(), SendEncode)
+    assert not enc
+    # when r1's encode finishes, the freed credit is not spent on the cancelled image
+    s.on_encoded("enc-0", 1, ref_for(K(1)))
+    assert not of(s.take_actions(), SendEncode)
+    assert K(2) not in s.jobs
+
+
+def test_encoded_after_everyone_left_is_unpinned(clock):
+    s = make(clock)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    s.cancel("r1")
+    acts = finish_encode(s, enc, gen=9)
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 9)])]
+    assert s.index[K(1)].pinned is False  # still resident for later hits
+
+
+def test_invalid_encode_fails_every_waiter(clock):
+    s = make(clock)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    submit(s, "r2", [K(1), K(2)])
+    s.on_encode_failed("enc-0", enc.job.job_id, "invalid_input", "not an image")
+    fails = of(s.take_actions(), Fail)
+    assert {f.rid for f in fails} == {"r1", "r2"}
+    assert all(isinstance(f.error, InvalidInputError) for f in fails)
+
+
+def test_colocated_route(clock):
+    s = Scheduler(clock=clock)
+    s.add_worker("both-0", Role.BOTH, "n1", 2)
+    acts = submit(s, "r1", [K(1)])
+    (pf,) = of(acts, SendPrefill)
+    assert pf.worker_id == "both-0" and pf.refs == [] and pf.request.route == "colocated"
+    assert s.counters["encodes_queued"] == 0
+
+
+def test_duplicate_request_id_rejected(clock):
+    s = make(clock)
+    submit(s, "r1", [])
+    with pytest.raises(InvalidInputError):
+        submit(s, "r1", [])
+
+
+def test_no_leak_after_many_requests(clock):
+    s = make(clock, enc=2, pd=2)
+    for i in range(2000):
+        acts = submit(s, f"r{i}", [K(i % 50), K((i * 7) % 50)])
+        while True:
+            encs = of(acts, SendEncode)
+            pfs = of(acts, SendPrefill)
+            acts = []
+            for e in encs:
+                acts += finish_encode(s, e, gen=i + 1)
+            for p in pfs:
+                s.on_tokens(p.worker_id, p.request.rid, finished=True)
+                acts += s.take_actions()
+            if not acts:
+                break
+    assert not s.requests and not s.users and not s.jobs and s.queued == 0
+    assert all(w.credit == w.capacity for w in s.workers.values())
+    assert all(not e.pinned for e in s.index.values())
+    assert s.counters["encodes_done"] == 50
