@@ -6,8 +6,11 @@ that header still names the entry they were told about, checked before AND after
 
 Overwrite protocol (a seqlock without a counter): the writer first sets the generation of every
 old entry that the new entry's window touches to 0, then writes the data, then the new header.
-Stores from one thread become visible in program order on x86 (TSO), so a reader whose
-after-copy check still sees the old generation copied bytes no one had started to overwrite.
+A reader whose after-copy check still sees the old generation copied bytes no one had started
+to overwrite. This relies on x86 ordering: loads are not reordered with loads, and the writer
+puts a full fence (an atomic read-modify-write) after the invalidation so that memcpy's
+streaming stores, which may pass older stores, cannot. Weakly ordered CPUs (ARM) would also
+need a reader-side load fence, which Python cannot express: there the check is best effort.
 
 Pins belong to the broker: a pinned entry is never overwritten; unpinned entries stay resident
 as a cache and are evicted least-recently-unpinned first, only when space is needed. Pins are a
@@ -58,9 +61,15 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _check_key(key: bytes) -> None:
+def _check_key(key: bytes, exc: type[Exception] = ValueError) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise ValueError(f"ring keys are {KEY_BYTES} bytes, got {key!r:.40}")
+        raise exc(f"ring keys are {KEY_BYTES} bytes, got {key!r:.40}")
+
+
+def _full_fence(lock: threading.Lock) -> None:
+    # Taking a lock is a locked RMW on x86 (CPython's Lock is a futex/semaphore): a full fence.
+    lock.acquire()
+    lock.release()
 
 
 def _header_ok(buf: mmap.mmap, hdr: int, key: bytes, generation: int, nbytes: int) -> bool:
@@ -121,18 +130,141 @@ def _unlink_segment(path: str, creator_pid: int) -> None:
             pass
 
 
+class RingSpace:
+    """Where entries sit in the ring and which to evict: pure bookkeeping, no memory touched.
+
+    Placement: a free window if any (trying the end of the last placement first, so sequential
+    writes pack densely), else a window around one of the few least recently unpinned entries,
+    else a full O(n) scan; each picks the window whose newest victim is least recently used
+    (ties: fewer victims) and never one that touches a pinned entry."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.starts: list[int] = []  # sorted header offsets, parallel to `order`
+        self.order: list[_Entry] = []
+        self.by_key: dict[bytes, _Entry] = {}
+        self.lru: OrderedDict[bytes, _Entry] = OrderedDict()  # unpinned, least recent first
+        self.used_bytes = 0  # header + padded data of resident entries, pinned or not
+        self.pinned_bytes = 0
+        self._clock = 0
+        self._cursor = 0
+
+    def set_pinned(self, e: _Entry, pinned: bool) -> None:
+        if e.pinned != pinned:
+            self.pinned_bytes += e.span if pinned else -e.span
+            e.pinned = pinned
+        if pinned:
+            self.lru.pop(e.key, None)
+        else:
+            self._clock += 1
+            e.stamp = self._clock
+            self.lru[e.key] = e
+            self.lru.move_to_end(e.key)
+
+    def add(self, e: _Entry) -> None:
+        """Record a new pinned entry; the caller has removed everything it overlaps."""
+        idx = bisect.bisect_left(self.starts, e.start)
+        self.starts.insert(idx, e.start)
+        self.order.insert(idx, e)
+        self.by_key[e.key] = e
+        self.used_bytes += e.span
+        self.pinned_bytes += e.span * e.pinned
+        self._cursor = e.end
+
+    def remove(self, e: _Entry) -> None:
+        if e.pinned:
+            raise AssertionError("evicting a pinned ring entry")  # a bug, never a runtime case
+        idx = bisect.bisect_left(self.starts, e.start)
+        del self.starts[idx], self.order[idx], self.by_key[e.key]
+        self.lru.pop(e.key, None)
+        self.used_bytes -= e.span
+
+    def overlapping(self, start: int, end: int) -> list[_Entry]:
+        i = bisect.bisect_left(self.starts, start)
+        if i and self.order[i - 1].end > start:
+            i -= 1
+        return self.order[i : bisect.bisect_left(self.starts, end)]
+
+    def find_window(self, span: int) -> int | None:
+        """Start of the window for a new entry of `span` bytes; None if every window is pinned."""
+        s = self._cursor if self._cursor + span <= self.capacity else 0
+        if not self.overlapping(s, s + span):
+            return s
+        best, best_cost = None, None
+        for e in itertools.islice(self.lru.values(), _LRU_TRIES):  # O(log n) each
+            idx = bisect.bisect_left(self.starts, e.start)
+            before = self.order[idx - 1].end if idx else 0
+            after = self.order[idx + 1].start if idx + 1 < len(self.order) else self.capacity
+            for s in (before, after - span):
+                cost = self._window_cost(s, span)
+                if cost is not None and (best_cost is None or cost < best_cost):
+                    best, best_cost = s, cost
+        return best if best is not None else self._scan(span)
+
+    def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
+        if s < 0 or s + span > self.capacity:
+            return None
+        victims = self.overlapping(s, s + span)
+        if any(v.pinned for v in victims):
+            return None
+        return (max((v.stamp for v in victims), default=0), len(victims))
+
+    def _scan(self, span: int) -> int | None:
+        # Sliding window over candidate starts (0, each unpinned start, each entry end), all
+        # ascending; an optimal pin-free window can always be shifted left onto one of them.
+        order, n = self.order, len(self.order)
+        i = j = pinned_in = head = 0
+        maxq: list[int] = []  # indices in [i, j) with decreasing stamps (unpinned only), from head
+        best, best_cost = None, None
+        for s in itertools.chain((0,), *(((e.start, e.end) if not e.pinned else (e.end,)) for e in order)):
+            end = s + span
+            if end > self.capacity:
+                break
+            while j < n and order[j].start < end:
+                if order[j].pinned:
+                    pinned_in += 1
+                else:
+                    while len(maxq) > head and order[maxq[-1]].stamp <= order[j].stamp:
+                        maxq.pop()
+                    maxq.append(j)
+                j += 1
+            while i < j and order[i].end <= s:
+                pinned_in -= order[i].pinned
+                head += len(maxq) > head and maxq[head] == i
+                i += 1
+            if pinned_in:
+                continue
+            if i == j:
+                return s
+            cost = (order[maxq[head]].stamp, j - i)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = s, cost
+        return best
+
+    def check_invariants(self) -> None:
+        """For tests: entries sorted, disjoint, aligned, in bounds; counters and LRU match."""
+        assert self.starts == [e.start for e in self.order] and len(self.by_key) == len(self.order)
+        assert all(a.end <= b.start for a, b in zip(self.order, self.order[1:], strict=False))
+        assert all(e.start % ALIGN == 0 and e.end <= self.capacity for e in self.order)
+        assert self.used_bytes == sum(e.span for e in self.order)
+        assert self.pinned_bytes == sum(e.span for e in self.order if e.pinned)
+        unpinned = sorted((e for e in self.order if not e.pinned), key=lambda e: e.stamp)
+        assert list(self.lru.values()) == unpinned
+
+
 class RingWriter:
     """The encoder's ring. All methods are thread-safe (one lock; `write` holds it for its copy)."""
 
     def __init__(self, capacity_bytes: int, *, owner_tag: str = "enc"):
         if not isinstance(capacity_bytes, int) or not MIN_CAPACITY <= capacity_bytes <= MAX_CAPACITY:
-            raise ValueError(f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, got {capacity_bytes}")
+            raise ValueError(f"ring capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} B, not {capacity_bytes}")
         if not _TAG.fullmatch(owner_tag):
             raise ValueError(f"owner_tag must match {_TAG.pattern}, got {owner_tag!r}")
         self.capacity = _round_up(capacity_bytes, mmap.PAGESIZE)
         self.name = f"epdq-{os.getuid()}-{owner_tag}-{os.getpid()}-{secrets.token_hex(8)}"
         self._path = os.path.join(SHM_DIR, self.name)
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self._path, flags, 0o600)
         try:
             os.fchmod(self._fd, 0o600)  # umask can only remove bits, but be explicit
             # Held for our lifetime: cleanup_stale_segments never unlinks a live ring.
@@ -151,23 +283,24 @@ class RingWriter:
             raise
         self._finalizer = weakref.finalize(self, _unlink_segment, self._path, os.getpid())
         self._lock = threading.Lock()
-        self._starts: list[int] = []  # sorted header offsets, parallel to _order
-        self._order: list[_Entry] = []
-        self._by_key: dict[bytes, _Entry] = {}
-        self._lru: OrderedDict[bytes, _Entry] = OrderedDict()  # unpinned, least recent first
+        self._fence = threading.Lock()
+        self._space = RingSpace(self.capacity)
         self._evicted: list[tuple[bytes, int]] = []
         self._next_gen = secrets.randbits(32) + 1  # a restarted encoder doesn't reuse generations
-        self._clock = 0
-        self._cursor = 0  # end of the last placement: sequential writes pack densely
-        self.used_bytes = 0  # header + padded data of resident entries, pinned or not
-        self.pinned_bytes = 0
         self._closed = False
 
-    # -- public API ---------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Header + padded data of resident entries, pinned or not (unpinned ones are cache)."""
+        return self._space.used_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._space.pinned_bytes
 
     @property
     def entry_count(self) -> int:
-        return len(self._order)
+        return len(self._space.order)
 
     def write(self, key: bytes, tensor: torch.Tensor) -> EntryLoc | None:
         """Copy `tensor` into the ring as a new pinned entry; None if every window is pinned."""
@@ -178,32 +311,30 @@ class RingWriter:
             raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
         with self._lock:
             self._check_open()
-            old = self._by_key.get(key)
+            old = self._space.by_key.get(key)
             if old is not None:
-                self._set_pinned(old, True)
+                self._space.set_pinned(old, True)
                 return old.loc()
-            start = self._find_window(span)
-            if start is None:
-                return None
-            return self._place(start, span, key, tensor, nbytes)
+            start = self._space.find_window(span)
+            return None if start is None else self._place(start, span, key, tensor, nbytes)
 
     def pin(self, key: bytes, generation: int) -> bool:
         with self._lock:
-            e = self._by_key.get(key)
+            e = self._space.by_key.get(key)
             if e is None or e.generation != generation:
                 return False
-            self._set_pinned(e, True)
+            self._space.set_pinned(e, True)
             return True
 
     def unpin(self, key: bytes, generation: int) -> None:
         with self._lock:
-            e = self._by_key.get(key)
+            e = self._space.by_key.get(key)
             if e is not None and e.generation == generation:
-                self._set_pinned(e, False)
+                self._space.set_pinned(e, False)
 
     def lookup(self, key: bytes) -> EntryLoc | None:
         with self._lock:
-            e = self._by_key.get(key)
+            e = self._space.by_key.get(key)
             return None if e is None else e.loc()
 
     def drain_evicted(self) -> list[tuple[bytes, int]]:
@@ -214,17 +345,18 @@ class RingWriter:
     def evict_unpinned(self) -> int:
         """Drop every unpinned entry now (reported by drain_evicted); returns how many."""
         with self._lock:
-            victims = [e for e in self._order if not e.pinned]
+            victims = list(self._space.lru.values())
             for e in victims:
                 self._evict(e)
             return len(victims)
 
     def read_bytes(self, offset: int, nbytes: int, key: bytes, generation: int) -> bytes:
         """Copy an entry out for a fetch from another node; StaleEmbeddingError if it changed."""
+        _check_key(key, ProtocolError)  # these come from another node's message
         with self._lock:
             self._check_open()
-            e = self._by_key.get(key)
-            if e is None or e.generation != generation or e.loc() != EntryLoc(offset, nbytes, generation):
+            e = self._space.by_key.get(key)
+            if e is None or (e.start + HEADER_BYTES, e.nbytes, e.generation) != (offset, nbytes, generation):
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
         data = self._mm[offset : offset + nbytes]
         if not _header_ok(self._mm, offset - HEADER_BYTES, key, generation, nbytes):
@@ -249,152 +381,40 @@ class RingWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals (called with the lock held) -----------------------------------------------
+    # -- called with the lock held -------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"ring {self.name} is closed")
 
-    def _set_pinned(self, e: _Entry, pinned: bool) -> None:
-        if e.pinned != pinned:
-            self.pinned_bytes += e.span if pinned else -e.span
-            e.pinned = pinned
-        if pinned:
-            self._lru.pop(e.key, None)
-        else:
-            self._clock += 1
-            e.stamp = self._clock
-            self._lru[e.key] = e
-            self._lru.move_to_end(e.key)
-
-    def _overlapping(self, start: int, end: int) -> list[_Entry]:
-        i = bisect.bisect_left(self._starts, start)
-        if i and self._order[i - 1].end > start:
-            i -= 1
-        j = bisect.bisect_left(self._starts, end)
-        return self._order[i:j]
-
-    def _find_window(self, span: int) -> int | None:
-        """Start of the window to use: a free gap if any, else one whose newest victim is as
-        little recently used as possible (ties: fewer victims). Never a window touching a
-        pinned entry; None only when every window does."""
-        s = self._cursor if self._cursor + span <= self.capacity else 0
-        if not self._overlapping(s, s + span):
-            return s
-        # Usually a window around one of the oldest entries will do: O(log n) each.
-        best, best_cost = None, None
-        for e in itertools.islice(self._lru.values(), _LRU_TRIES):
-            idx = bisect.bisect_left(self._starts, e.start)
-            before = self._order[idx - 1].end if idx else 0
-            after = self._order[idx + 1].start if idx + 1 < len(self._order) else self.capacity
-            for s in (before, after - span):
-                cost = self._window_cost(s, span)
-                if cost is not None and (best_cost is None or cost < best_cost):
-                    best, best_cost = s, cost
-        if best is not None:
-            return best
-        return self._scan(span)
-
-    def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
-        if s < 0 or s + span > self.capacity:
-            return None
-        victims = self._overlapping(s, s + span)
-        if any(v.pinned for v in victims):
-            return None
-        return (max((v.stamp for v in victims), default=0), len(victims))
-
-    def _scan(self, span: int) -> int | None:
-        # Sliding window over candidate starts (0, each unpinned start, each entry end), all
-        # ascending; an optimal pin-free window can always be shifted left onto one of them.
-        order, n = self._order, len(self._order)
-        i = j = pinned_in = 0
-        maxq: list[int] = []  # indices in [i, j) with decreasing stamps (unpinned only)
-        head = 0
-        best, best_cost = None, None
-        for s in self._candidates():
-            end = s + span
-            if end > self.capacity:
-                break
-            while j < n and order[j].start < end:
-                e = order[j]
-                if e.pinned:
-                    pinned_in += 1
-                else:
-                    while len(maxq) > head and order[maxq[-1]].stamp <= e.stamp:
-                        maxq.pop()
-                    maxq.append(j)
-                j += 1
-            while i < j and order[i].end <= s:
-                pinned_in -= order[i].pinned
-                if len(maxq) > head and maxq[head] == i:
-                    head += 1
-                i += 1
-            if pinned_in:
-                continue
-            if i == j:
-                return s
-            cost = (order[maxq[head]].stamp, j - i)
-            if best_cost is None or cost < best_cost:
-                best, best_cost = s, cost
-        return best
-
-    def _candidates(self):
-        yield 0
-        for e in self._order:
-            if not e.pinned:
-                yield e.start
-            yield e.end
-
-    def _evict(self, e: _Entry) -> None:
-        if e.pinned:
-            raise AssertionError("evicting a pinned ring entry")  # a bug, never a runtime case
+    def _evict(self, e: _Entry, *, report: bool = True) -> None:
         # Invalidate first so a reader mid-copy fails its after-copy check.
         _GEN.pack_into(self._mm, e.start + _GEN_AT, 0)
-        idx = bisect.bisect_left(self._starts, e.start)
-        del self._starts[idx], self._order[idx]
-        del self._by_key[e.key]
-        self._lru.pop(e.key, None)
-        self.used_bytes -= e.span
-        self._evicted.append((e.key, e.generation))
+        self._space.remove(e)
+        if report:
+            self._evicted.append((e.key, e.generation))
 
     def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
-        for victim in self._overlapping(start, start + span):
+        for victim in self._space.overlapping(start, start + span):
             self._evict(victim)
+        _full_fence(self._fence)
         e = _Entry(key, self._next_gen, start, span, nbytes)
         self._next_gen += 1
-        idx = bisect.bisect_left(self._starts, start)
-        self._starts.insert(idx, start)
-        self._order.insert(idx, e)
-        self._by_key[key] = e
-        self.used_bytes += span
-        self.pinned_bytes += span
+        self._space.add(e)
         try:
             if nbytes:
                 view = torch.frombuffer(
-                    self._mm, dtype=tensor.dtype, count=tensor.numel(), offset=start + HEADER_BYTES
+                    self._mm, dtype=tensor.dtype, count=tensor.numel(), offset=e.loc().offset
                 )
                 with torch.no_grad():
                     view.view(tensor.shape).copy_(tensor)
                 del view
         except BaseException:
-            self._set_pinned(e, False)
-            self._evict(e)
-            self._evicted.pop()  # never published, so nothing to report
+            self._space.set_pinned(e, False)
+            self._evict(e, report=False)  # never published
             raise
         _HDR.pack_into(self._mm, start, _MAGIC, key, e.generation, nbytes)
-        self._cursor = e.end
         return e.loc()
-
-    def _check_invariants(self) -> None:
-        """For tests: entries sorted, disjoint, in bounds; counters match."""
-        assert self._starts == [e.start for e in self._order]
-        for a, b in zip(self._order, self._order[1:], strict=False):
-            assert a.end <= b.start
-        assert all(0 <= e.start and e.end <= self.capacity and e.start % ALIGN == 0 for e in self._order)
-        assert self.used_bytes == sum(e.span for e in self._order)
-        assert self.pinned_bytes == sum(e.span for e in self._order if e.pinned)
-        assert len(self._by_key) == len(self._order)
-        assert list(self._lru.values()) == sorted((e for e in self._order if not e.pinned), key=lambda e: e.stamp)
 
 
 @dataclass(slots=True)
@@ -429,7 +449,7 @@ class RingReader:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Copy one entry into a fresh tensor (or `out`): one memcpy, checked before and after."""
-        _check_key(key)
+        _check_key(key, ProtocolError)
         if any(not isinstance(d, int) or d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
             raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
         if not 0 < generation < 2**64:

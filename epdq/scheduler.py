@@ -159,6 +159,7 @@ COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
     "cache_hits", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
+    "local_handoffs", "remote_handoffs", "aborts_confirmed",
 )  # fmt: skip
 
 
@@ -492,6 +493,8 @@ class Scheduler:
 
     def on_pd_failed(self, worker_id: str, rid: str, code: str, message: str, stale: list[EntryId]) -> None:
         self._release_slot(self.workers.get(worker_id), rid)
+        if code == "cancelled":
+            self.counters["aborts_confirmed"] += 1
         req = self.requests.get(rid)
         if req is None or req.worker != worker_id:
             self.dispatch()
@@ -553,6 +556,9 @@ class Scheduler:
             req.dispatched_at = self.clock()
             self.queued -= 1
             self._take_slot(w, req.rid)
+            if refs:
+                remote = any(r.node != w.node for r in refs)
+                self.counters["remote_handoffs" if remote else "local_handoffs"] += 1
             self._emit(SendPrefill(w.worker_id, req, refs))
 
     # ------------------------------------------------------------ introspection

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import pathlib
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -90,6 +92,7 @@ class VllmEngine:
         self._llm = None
         self._rpc_dir: str | None = None
         self._dead: BaseException | None = None
+        self._active: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,12 +103,13 @@ class VllmEngine:
         vllm_plugin.install()  # this process; vLLM's children get it via the entry point
         self._prepare_env()
         try:
-            self._llm = await asyncio.to_thread(self._create)
+            # Off the event loop: creation blocks ~10 s (spawn, import, load, profile).
+            await asyncio.to_thread(self._create)
         except BaseException:
             self._release_rpc_dir()
             raise
 
-    def _create(self):
+    def _create(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -125,7 +129,11 @@ class VllmEngine:
             trust_remote_code=True,
             seed=0,
         )
-        return AsyncLLM.from_engine_args(args)
+        with _uni_executor_on_cpu():
+            vllm_config = args.create_engine_config()
+        # Stored, not returned: a returned engine stays referenced by the finished futures, and
+        # its __del__ would then run at interpreter exit, when vLLM's modules are gone.
+        self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
 
     def _prepare_env(self) -> None:
         for key, value in _ENV_DEFAULTS.items():
@@ -153,7 +161,22 @@ class VllmEngine:
     async def close(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
+            # End in-flight streams first (their consumers get CancelledError), then stop the
+            # output handler so it does not log the core's exit as a failure.
+            if self._active:
+                with contextlib.suppress(Exception):
+                    await llm.abort(list(self._active))
+                await asyncio.sleep(0)
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await handler
             await asyncio.to_thread(llm.shutdown)
+            await asyncio.sleep(0)  # shutdown closes the client's sockets through this loop
+            _destroy_zmq_context(llm)
+            del llm
+            gc.collect()  # AsyncLLM.__del__ shuts down again; let it run now, not at interpreter exit
         self._release_rpc_dir()
 
     @property
@@ -201,9 +224,15 @@ class VllmEngine:
         if mm is not None:
             request["multi_modal_data"] = mm
         params = self._sampling_params(sampling)
-        async with contextlib.aclosing(self._llm.generate(request, params, request_id)) as stream:
-            async for delta in self._deltas(request_id, stream):
-                yield delta
+        if request_id in self._active:
+            raise InvalidInputError(f"request id {request_id!r} is already running", request_id=request_id)
+        self._active.add(request_id)
+        try:
+            async with contextlib.aclosing(self._llm.generate(request, params, request_id)) as stream:
+                async for delta in self._deltas(request_id, stream):
+                    yield delta
+        finally:
+            self._active.discard(request_id)
 
     async def _deltas(self, request_id: str, stream) -> AsyncIterator[Delta]:
         from vllm.exceptions import VLLMClientError
@@ -290,6 +319,44 @@ class VllmEngine:
             raise InvalidInputError(f"image_embeds must be floating point, got {embeds.dtype}")
         dtype = getattr(torch, self.config.dtype)
         return embeds.to("cpu", dtype).contiguous(), grid.to("cpu", torch.int64).contiguous()
+
+
+_env_lock = threading.Lock()
+
+
+def _destroy_zmq_context(llm) -> None:
+    """vLLM's client closes its sockets but never terminates its zmq context, which then warns
+    (ResourceWarning) when collected. Terminate it once every socket on it is closed."""
+    ctx = getattr(getattr(llm, "engine_core", None), "ctx", None)
+    if ctx is None:
+        return
+    for sock in list(getattr(ctx, "_sockets", ()) or ()):
+        with contextlib.suppress(Exception):
+            sock.close(linger=0)
+    base = getattr(ctx, "_shadow_obj", None) or ctx  # an asyncio context shadows a sync one
+    if not base.closed:
+        with contextlib.suppress(Exception):
+            base.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def _uni_executor_on_cpu():
+    """vLLM's CPU platform turns a "uni" executor into "mp" (one more process: +~6 s start,
+    +~0.6 GB) unless V1 multiprocessing is off. AsyncLLM always runs its EngineCore in a
+    separate process anyway, so the flag only matters to that check, made while the config is
+    built: set it for that moment only (left set, a later `vllm.LLM` here would run in-process).
+    The lock keeps engines started concurrently from restoring it under each other.
+    """
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    with _env_lock:
+        if key in os.environ:  # the user decided
+            yield
+            return
+        os.environ[key] = "0"
+        try:
+            yield
+        finally:
+            os.environ.pop(key, None)
 
 
 def _image_list(images, n_placeholders: int) -> dict | None:

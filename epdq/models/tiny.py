@@ -190,6 +190,8 @@ def _write_files(d: pathlib.Path, spec: TinySpec, seed: int) -> None:
     (d / "chat_template.jinja").write_text(_resource_text("qwen2_vl_chat_template.jinja"))
     _write_tokenizer(d, spec)
     _write_weights(d / "model.safetensors", spec, seed)
+    for f in d.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; a shared cache must be readable by all workers
 
 
 def _model_config(spec: TinySpec) -> dict:

@@ -121,11 +121,21 @@ def test_non_contiguous_source_and_out_tensor(writer, reader):
     k = key()
     loc = writer.write(k, t)
     out = torch.empty(48, 64)
-    got = reader.read(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (48, 64), out=out)
+    got = reader.read(
+        writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (48, 64), out=out
+    )
     assert got is out and torch.equal(out, t)
     with pytest.raises(ValueError):
-        reader.read(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (48, 64),
-                    out=torch.empty(48, 64, dtype=torch.float16))
+        reader.read(
+            writer.name,
+            loc.offset,
+            loc.nbytes,
+            k,
+            loc.generation,
+            torch.float32,
+            (48, 64),
+            out=torch.empty(48, 64, dtype=torch.float16),
+        )
 
 
 def test_read_bytes_for_remote_fetch(writer):
@@ -136,6 +146,11 @@ def test_read_bytes_for_remote_fetch(writer):
     assert isinstance(data, bytes) and data == t.numpy().tobytes()
     with pytest.raises(StaleEmbeddingError):
         writer.read_bytes(loc.offset, loc.nbytes, k, loc.generation + 1)
+    for off, nb in ((0, loc.nbytes), (loc.offset + 1, loc.nbytes), (loc.offset, loc.nbytes + 4), (-64, 4)):
+        with pytest.raises(StaleEmbeddingError):  # values from a remote message: never a crash
+            writer.read_bytes(off, nb, k, loc.generation)
+    with pytest.raises(ProtocolError):
+        writer.read_bytes(loc.offset, loc.nbytes, b"short", loc.generation)
 
 
 def test_empty_tensor(writer, reader):
@@ -198,10 +213,12 @@ def test_pinned_entries_block_writes(writer):
     assert new is not None and new.offset == loc.offset and new.generation > loc.generation
     assert writer.drain_evicted() == [(k, loc.generation)]
     assert writer.lookup(k) is None and not writer.pin(k, loc.generation)
-    writer._check_invariants()
+    writer._space.check_invariants()
 
 
-def test_eviction_is_least_recently_unpinned_first(writer, reader):
+@pytest.mark.parametrize("lru_tries", [ring_mod._LRU_TRIES, 0])  # 0: always the full scan
+def test_eviction_is_least_recently_unpinned_first(writer, reader, monkeypatch, lru_tries):
+    monkeypatch.setattr(ring_mod, "_LRU_TRIES", lru_tries)
     per = 64 * 1024 - HEADER_BYTES
     entries = fill_exactly(writer, per)
     order = [3, 0, 7, 1, 2]
@@ -227,7 +244,19 @@ def test_big_write_evicts_several_neighbours_never_pinned(writer):
     loc = writer.write(key(), f32(3 * 64 * 1024 - HEADER_BYTES))
     assert loc is not None and loc.offset == entries[4][1].offset
     assert sorted(writer.drain_evicted()) == sorted(ident(entries[i]) for i in (4, 5, 6))
-    writer._check_invariants()
+    writer._space.check_invariants()
+
+
+def test_full_scan_finds_a_window_the_oldest_neighbourhoods_lack(writer):
+    per = 64 * 1024 - HEADER_BYTES
+    entries = fill_exactly(writer, per)
+    for i in (0, 2, 4, 6, 8, 11, 12):  # the oldest are each boxed in by pinned neighbours
+        writer.unpin(*ident(entries[i]))
+    loc = writer.write(key(), f32(2 * 64 * 1024 - HEADER_BYTES))
+    assert loc is not None and loc.offset == entries[11][1].offset
+    assert sorted(writer.drain_evicted()) == sorted(ident(entries[i]) for i in (11, 12))
+    assert writer.write(key(), f32(2 * 64 * 1024 - HEADER_BYTES)) is None
+    writer._space.check_invariants()
 
 
 def test_pin_unpin_with_wrong_generation(writer):
@@ -242,8 +271,8 @@ def test_pin_unpin_with_wrong_generation(writer):
 
 
 def test_no_leak_over_10000_cycles(reader):
-    # <= 5 pinned entries of <= 192 KiB leave a free gap >= 512 KiB somewhere in 4 MiB.
-    writer = RingWriter(4 * MIB)
+    # <= 5 pinned entries of <= 16 KiB always leave a free gap big enough somewhere.
+    writer = RingWriter(MIN_CAPACITY)
     try:
         _cycles(writer, reader)
     finally:
@@ -255,7 +284,7 @@ def _cycles(writer: RingWriter, reader: RingReader) -> None:
     held: list[tuple[bytes, EntryLoc]] = []
     evicted = 0
     for i in range(10_000):
-        nbytes = int(rng.integers(1, 48 * 1024)) * 4
+        nbytes = int(rng.integers(1, 4096)) * 4
         k = key(i)
         loc = writer.write(k, f32(nbytes, float(i % 1000)))
         assert loc is not None, f"write {i} found no space"
@@ -264,7 +293,7 @@ def _cycles(writer: RingWriter, reader: RingReader) -> None:
             writer.unpin(*ident(held.pop(int(rng.integers(len(held))))))
         evicted += len(writer.drain_evicted())
         if i % 997 == 0:
-            writer._check_invariants()
+            writer._space.check_invariants()
             assert torch.equal(read(reader, writer, k, loc, f32(nbytes)), f32(nbytes, float(i % 1000)))
     for k, loc in held:
         writer.unpin(k, loc.generation)
@@ -274,7 +303,7 @@ def _cycles(writer: RingWriter, reader: RingReader) -> None:
     evicted += len(writer.drain_evicted())
     assert writer.used_bytes == writer.pinned_bytes == 0 and writer.entry_count == 0
     assert evicted == 10_000
-    assert len(writer._by_key) == len(writer._lru) == len(writer._starts) == 0
+    assert len(writer._space.by_key) == len(writer._space.lru) == len(writer._space.starts) == 0
 
 
 # -- staleness ------------------------------------------------------------------------------------
@@ -403,6 +432,8 @@ def test_out_of_range_and_inconsistent_requests_rejected(writer, reader):
             reader.read(writer.name, off, nb, k, loc.generation, torch.float32, shape)
     with pytest.raises(ProtocolError):
         reader.read(writer.name, loc.offset, loc.nbytes, k, 0, torch.float32, tuple(t.shape))
+    with pytest.raises(ProtocolError):
+        reader.read(writer.name, loc.offset, loc.nbytes, k[:8], loc.generation, torch.float32, tuple(t.shape))
     # The right bytes under the wrong dtype label are rejected too (nbytes names the header).
     with pytest.raises((ProtocolError, StaleEmbeddingError)):
         reader.read(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float16, tuple(t.shape))
@@ -532,7 +563,9 @@ class RingMachine(RuleBasedStateMachine):
         units = np.zeros(self.w.capacity // ALIGN, dtype=bool)
         for k in self.pinned:
             loc = self.model[k][0]
-            units[(loc.offset - HEADER_BYTES) // ALIGN : (loc.offset + loc.nbytes + ALIGN - 1) // ALIGN] = True
+            units[(loc.offset - HEADER_BYTES) // ALIGN : (loc.offset + loc.nbytes + ALIGN - 1) // ALIGN] = (
+                True
+            )
         need = span // ALIGN
         run = 0
         for busy in units:
@@ -543,7 +576,7 @@ class RingMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.w._check_invariants()
+        self.w._space.check_invariants()
         for k in self.pinned:
             assert self.w.lookup(k) == self.model[k][0]
         assert self.w.pinned_bytes == sum(span_of(self.model[k][0].nbytes) for k in self.pinned)

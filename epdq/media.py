@@ -1,0 +1,246 @@
+"""Image bytes: load them on the client, sniff them in the broker, decode them in a worker.
+
+Only PNG, JPEG, WebP, GIF and BMP are accepted. A worker decodes with exactly those Pillow
+plugins, never `Image.open`, so untrusted bytes never reach Pillow's other (and exotic) parsers,
+and so our own pixel limit, read from the header before any pixel is decoded, is the only one
+that applies: Pillow's global MAX_IMAGE_PIXELS is neither consulted nor changed.
+
+Multi-frame images (animated GIF/WebP/PNG) are accepted and decoded as their first frame, the
+frame Hugging Face and vLLM processors use. Transparent images are composited onto white before
+the RGB conversion, as those processors do, so colocated and disaggregated paths agree. EXIF
+orientation is not applied (neither do they).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import sys
+from typing import TYPE_CHECKING, Any
+
+from epdq.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+MAX_IMAGE_BYTES_DEFAULT = 20 * 2**20
+MAX_IMAGE_PIXELS_DEFAULT = 40_000_000
+FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
+_KEY_PERSON = b"epdq.image.v1"  # domain separation: these hashes mean nothing elsewhere
+_BMP_DIB_SIZES = frozenset({12, 40, 52, 56, 64, 108, 124})
+_PNG_MODES = frozenset({"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"})
+
+
+def image_key(scope: str, data: Any) -> bytes:
+    """16-byte content key of one image under `scope` (model + processor settings)."""
+    s = scope.encode()
+    h = hashlib.blake2b(digest_size=16, person=_KEY_PERSON)
+    # Length-prefixed so (scope, data) pairs can never collide by moving the boundary.
+    h.update(len(s).to_bytes(8, "little"))
+    h.update(s)
+    h.update(memoryview(data))
+    return h.digest()
+
+
+def sniff_format(data: Any) -> str | None:
+    """The format named by the magic bytes (the first 64 bytes are enough), or None."""
+    b = bytes(memoryview(data)[:32])
+    if b.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if b.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if b[:4] == b"RIFF" and b[8:12] == b"WEBP":
+        return "webp"
+    if b[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    # "BM" alone is too weak a signature: also require a known DIB header size.
+    if b[:2] == b"BM" and len(b) >= 18 and int.from_bytes(b[14:18], "little") in _BMP_DIB_SIZES:
+        return "bmp"
+    return None
+
+
+def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_DEFAULT) -> bytes:
+    """Client side: a path, bytes-like object or PIL image, as the bytes to send."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+    elif isinstance(image, (str, os.PathLike)):
+        data = _read_file(image, max_bytes)
+    elif _is_pil_image(image):
+        data = _to_png(image)
+    else:
+        raise InvalidInputError(f"an image must be a path, bytes or a PIL image, not {type(image).__name__}")
+    if not data:
+        raise InvalidInputError("image is empty")
+    if len(data) > max_bytes:
+        raise InvalidInputError(f"image is {len(data)} bytes (limit {max_bytes})")
+    return data
+
+
+def decode_image(
+    data: Any,
+    *,
+    max_bytes: int = MAX_IMAGE_BYTES_DEFAULT,
+    max_pixels: int = MAX_IMAGE_PIXELS_DEFAULT,
+) -> Image.Image:
+    """Worker side: validate and fully decode untrusted bytes into an RGB image."""
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError as e:
+        raise InvalidInputError(f"image data must be bytes-like: {e}") from None
+    if view.nbytes == 0:
+        raise InvalidInputError("image is empty")
+    if view.nbytes > max_bytes:
+        raise InvalidInputError(f"image is {view.nbytes} bytes (limit {max_bytes})")
+    fmt = sniff_format(view)
+    if fmt is None:
+        raise InvalidInputError(f"not a supported image ({', '.join(FORMATS)})")
+    size = _header_size(fmt, view)
+    if size is None:
+        raise InvalidInputError(f"{fmt} header is truncated or malformed")
+    _check_size(size, max_pixels)
+
+    from PIL import Image
+
+    try:
+        im = _plugin(fmt)(io.BytesIO(view))
+        # Some formats (GIF frames) can grow past their header's size while opening.
+        _check_size(im.size, max_pixels)
+        im.load()
+        return _to_rgb(im, Image)
+    except InvalidInputError:
+        raise
+    except Exception as e:  # untrusted bytes through C decoders: any failure is the input's
+        raise InvalidInputError(f"cannot decode {fmt} image: {type(e).__name__}: {e}") from None
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _check_size(size: tuple[int, int], max_pixels: int) -> None:
+    w, h = size
+    if w <= 0 or h <= 0:
+        raise InvalidInputError(f"image has no pixels ({w}x{h})")
+    if w * h > max_pixels:
+        raise InvalidInputError(f"image is {w}x{h} = {w * h} pixels (limit {max_pixels})")
+
+
+def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+    try:
+        # O_NONBLOCK: a FIFO swapped in for the file must not hang the open; checked below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(f"cannot open image file {os.fspath(path)!r}: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"image path {os.fspath(path)!r} is not a regular file")
+        if st.st_size > max_bytes:
+            raise InvalidInputError(f"image file is {st.st_size} bytes (limit {max_bytes})")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)  # the file may have grown since fstat
+    if len(data) > max_bytes:
+        raise InvalidInputError(f"image file is over {max_bytes} bytes")
+    return data
+
+
+def _is_pil_image(obj: Any) -> bool:
+    pil = sys.modules.get("PIL.Image")  # if PIL was never imported, obj can't be one of its images
+    return pil is not None and isinstance(obj, pil.Image)
+
+
+def _to_png(im: Image.Image) -> bytes:
+    try:
+        if im.mode not in _PNG_MODES:
+            im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")  # lossless; same pixels and info give the same bytes
+        return buf.getvalue()
+    except Exception as e:
+        raise InvalidInputError(f"cannot encode the PIL image as PNG: {type(e).__name__}: {e}") from None
+
+
+def _plugin(fmt: str) -> Any:
+    if fmt == "png":
+        from PIL.PngImagePlugin import PngImageFile as cls
+    elif fmt == "jpeg":
+        from PIL.JpegImagePlugin import JpegImageFile as cls
+    elif fmt == "webp":
+        from PIL.WebPImagePlugin import WebPImageFile as cls
+    elif fmt == "gif":
+        from PIL.GifImagePlugin import GifImageFile as cls
+    else:
+        from PIL.BmpImagePlugin import BmpImageFile as cls
+    return cls
+
+
+def _to_rgb(im: Image.Image, Image: Any) -> Image.Image:
+    if im.mode == "RGB":
+        return im
+    if "A" in im.getbands() or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def _u(b: memoryview, lo: int, hi: int, order: str = "little", signed: bool = False) -> int:
+    return int.from_bytes(b[lo:hi], order, signed=signed)
+
+
+def _header_size(fmt: str, b: memoryview) -> tuple[int, int] | None:
+    """(width, height) from the file header alone, without asking Pillow."""
+    if fmt == "png":
+        if len(b) < 24 or b[12:16] != b"IHDR":
+            return None
+        return _u(b, 16, 20, "big"), _u(b, 20, 24, "big")
+    if fmt == "gif":
+        return (_u(b, 6, 8), _u(b, 8, 10)) if len(b) >= 10 else None
+    if fmt == "bmp":
+        if _u(b, 14, 18) == 12:
+            return (_u(b, 18, 20), _u(b, 20, 22)) if len(b) >= 22 else None
+        # Negative height means top-down rows; negative width is invalid (checked as <= 0).
+        return (_u(b, 18, 22, signed=True), abs(_u(b, 22, 26, signed=True))) if len(b) >= 26 else None
+    if fmt == "webp":
+        return _webp_size(b)
+    return _jpeg_size(b)
+
+
+def _webp_size(b: memoryview) -> tuple[int, int] | None:
+    chunk = b[12:16]
+    if chunk == b"VP8 " and len(b) >= 30 and b[23:26] == b"\x9d\x01\x2a":  # lossy key frame
+        return _u(b, 26, 28) & 0x3FFF, _u(b, 28, 30) & 0x3FFF
+    if chunk == b"VP8L" and len(b) >= 25 and b[20] == 0x2F:  # lossless: 14-bit (size - 1) fields
+        bits = _u(b, 21, 25)
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(b) >= 30:  # extended: 24-bit (canvas size - 1) fields
+        return _u(b, 24, 27) + 1, _u(b, 27, 30) + 1
+    return None
+
+
+def _jpeg_size(b: memoryview) -> tuple[int, int] | None:
+    # Walks segment lengths (EXIF/ICC segments may push the frame header far in), no copying.
+    i, n = 2, len(b)
+    while i + 4 <= n:
+        if b[i] != 0xFF:
+            return None
+        marker = b[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn: P, Y, X
+            return (_u(b, i + 7, i + 9, "big"), _u(b, i + 5, i + 7, "big")) if i + 9 <= n else None
+        length = _u(b, i + 2, i + 4, "big")
+        if length < 2:
+            return None
+        i += 2 + length
+    return None

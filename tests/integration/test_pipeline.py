@@ -1,0 +1,188 @@
+"""E -> PD through real broker and worker processes, against the colocated engine.
+
+One session cluster over ipc:// holds an encoder, a PD worker and a colocated (`both`) worker
+on the same node; a second over tcp:// puts the PD worker on another node id, so embeddings
+take the remote-fetch path. Greedy outputs must be token-identical to the colocated route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from epdq import AsyncClient, InvalidInputError
+from epdq.cluster import Cluster, ClusterSpec
+from epdq.demo import demo_image
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 12
+SIZES = [(112, 112), (160, 96), (84, 140), (196, 168)]
+
+
+def img(seed: int, size=(112, 112)) -> bytes:
+    return demo_image(seed, size)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from epdq.models.tiny import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+async def local_cluster(tmp_path_factory, model_dir):
+    d = tmp_path_factory.mktemp("ipc-cluster")
+    spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=1, pds=1, both=1, model=model_dir,
+                       log_dir=str(d / "logs"), start_timeout_s=400)  # fmt: skip
+    c = Cluster(spec)
+    try:
+        await c.start()
+        yield c
+    finally:
+        await asyncio.to_thread(c.stop)
+
+
+@pytest.fixture(scope="session")
+async def remote_cluster(tmp_path_factory, model_dir, unused_tcp_port_factory):
+    d = tmp_path_factory.mktemp("tcp-cluster")
+    spec = ClusterSpec(address=f"tcp://127.0.0.1:{unused_tcp_port_factory()}", encoders=1, pds=1, model=model_dir,
+                       nodes={"encoder": "node-a", "pd": "node-b"}, log_dir=str(d / "logs"),
+                       start_timeout_s=400)  # fmt: skip
+    c = Cluster(spec)
+    try:
+        await c.start()
+        yield c
+    finally:
+        await asyncio.to_thread(c.stop)
+
+
+async def both_routes(address: str, prompt: str, images: list[bytes], **kw):
+    async with AsyncClient(address, timeout=120) as c:
+        epd = await c.generate(prompt, images=images, max_tokens=MAX_TOKENS, route="epd", **kw)
+        colo = await c.generate(prompt, images=images, max_tokens=MAX_TOKENS, route="colocated", **kw)
+    return epd, colo
+
+
+async def counters(address: str) -> dict:
+    async with AsyncClient(address) as c:
+        return (await c.stats())["counters"]
+
+
+@pytest.mark.parametrize(
+    "name, images",
+    [
+        ("text-only", []),
+        ("one image", [img(11)]),
+        ("two images", [img(12, SIZES[1]), img(13, SIZES[2])]),
+        ("four images", [img(14 + i, s) for i, s in enumerate(SIZES)]),
+        ("same image twice", [img(20, SIZES[1]), img(20, SIZES[1])]),
+    ],
+)
+async def test_epd_is_token_identical_to_colocated(local_cluster, name, images):
+    epd, colo = await both_routes(local_cluster.address, f"Describe: {name}.", images)
+    assert epd.timings.route == "epd" and colo.timings.route == "colocated"
+    assert len(epd.token_ids) > 0
+    assert epd.token_ids == colo.token_ids, f"{name}: E->PD {epd.token_ids} != colocated {colo.token_ids}"
+    assert epd.text == colo.text and epd.finish_reason == colo.finish_reason
+
+
+async def test_the_image_matters(local_cluster):
+    """Negative control: equality above is meaningless if the model ignored the image."""
+    async with AsyncClient(local_cluster.address) as c:
+        a = await c.generate("What is this?", images=[img(31)], max_tokens=MAX_TOKENS, route="epd")
+        b = await c.generate("What is this?", images=[img(32)], max_tokens=MAX_TOKENS, route="epd")
+    assert a.token_ids != b.token_ids
+
+
+async def test_repeated_image_is_encoded_once(local_cluster):
+    addr = local_cluster.address
+    before = await counters(addr)
+    async with AsyncClient(addr) as c:
+        first = await c.generate("One.", images=[img(41)], max_tokens=4, route="epd")
+        second = await c.generate("Two.", images=[img(41)], max_tokens=4, route="epd")
+    after = await counters(addr)
+    assert after["encodes_done"] - before["encodes_done"] == 1
+    assert after["cache_hits"] - before["cache_hits"] == 1
+    assert first.timings.cache_hits == 0 and second.timings.cache_hits == 1
+
+
+async def test_concurrent_duplicates_are_encoded_once(local_cluster):
+    addr = local_cluster.address
+    before = await counters(addr)
+    async with AsyncClient(addr) as c:
+        outs = await asyncio.gather(
+            *(c.generate(f"Prompt {i}.", images=[img(51, SIZES[3])], max_tokens=4, route="epd") for i in range(4))
+        )
+    after = await counters(addr)
+    assert all(o.token_ids for o in outs)
+    assert after["encodes_done"] - before["encodes_done"] == 1
+    assert (after["cache_hits"] + after["dedup_joins"]) - (before["cache_hits"] + before["dedup_joins"]) == 3
+
+
+async def test_stream_matches_generate(local_cluster):
+    async with AsyncClient(local_cluster.address) as c:
+        full = await c.generate("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd")
+        ids, text, finish = [], [], None
+        async for d in c.stream("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd"):
+            ids += d.token_ids
+            text.append(d.text)
+            finish = d.finish_reason or finish
+    assert ids == full.token_ids and "".join(text) == full.text and finish == full.finish_reason
+    assert full.timings.ttft_s > 0 and full.timings.total_s >= full.timings.ttft_s
+
+
+async def test_cancel_reaches_the_pd_worker(local_cluster):
+    addr = local_cluster.address
+    before = await counters(addr)
+    async with AsyncClient(addr) as c:
+        agen = c.stream("Go on forever.", max_tokens=2000, route="epd")
+        async for _ in agen:
+            break
+        await agen.aclose()  # leaving the loop cancels the request
+        for _ in range(100):
+            s = await c.stats()
+            pd = [w for w in s["workers"] if w["role"] == "pd"]
+            if s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and all(w["inflight"] == 0 for w in pd):
+                break
+            await asyncio.sleep(0.05)
+    assert s["counters"]["cancelled"] == before["cancelled"] + 1
+    assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1
+    assert all(w["inflight"] == 0 for w in pd)
+
+
+async def test_bad_image_is_a_typed_error(local_cluster):
+    async with AsyncClient(local_cluster.address) as c:
+        with pytest.raises(InvalidInputError, match="not a supported image"):
+            await c.generate("x", images=[b"definitely not an image" * 10], route="epd")
+        truncated = img(71)[:200]
+        with pytest.raises(InvalidInputError):
+            await c.generate("x", images=[truncated], route="epd")
+        # the pipeline is still fine afterwards
+        ok = await c.generate("still alive?", images=[img(72)], max_tokens=3, route="epd")
+    assert ok.token_ids
+
+
+async def test_stats_report_workers_by_role(local_cluster):
+    async with AsyncClient(local_cluster.address) as c:
+        s = await c.stats()
+    roles = sorted(w["role"] for w in s["workers"])
+    assert roles == ["both", "encoder", "pd"]
+    for k in ("encodes_done", "cache_hits", "requests_completed"):
+        assert k in s["counters"]
+    for k in ("requests_queued", "requests_running", "workers_pd"):
+        assert k in s["gauges"]
+
+
+@pytest.mark.parametrize("images", [[img(81)], [img(82, SIZES[1]), img(83, SIZES[2]), img(82, SIZES[1])]])
+async def test_remote_fetch_path_is_token_identical(local_cluster, remote_cluster, images):
+    before = await counters(remote_cluster.address)
+    async with AsyncClient(remote_cluster.address) as c:
+        epd = await c.generate("Remote.", images=images, max_tokens=MAX_TOKENS, route="epd")
+    async with AsyncClient(local_cluster.address) as c:
+        colo = await c.generate("Remote.", images=images, max_tokens=MAX_TOKENS, route="colocated")
+    after = await counters(remote_cluster.address)
+    assert after["remote_handoffs"] == before["remote_handoffs"] + 1
+    assert epd.token_ids == colo.token_ids

@@ -1,0 +1,184 @@
+"""The embedding ring across real processes: a reader in another process, also while racing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdq.ring import MIN_CAPACITY, SHM_DIR, RingWriter, cleanup_stale_segments
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Reads the entries described on stdin (one JSON object per line) and prints one JSON line each.
+_READ_ONCE = r"""
+import hashlib, json, sys, torch
+from epdq.errors import StaleEmbeddingError
+from epdq.ring import RingReader
+r = RingReader()
+for line in sys.stdin:
+    m = json.loads(line)
+    try:
+        t = r.read(m["seg"], m["off"], m["nbytes"], bytes.fromhex(m["key"]), m["gen"],
+                   getattr(torch, m["dtype"]), tuple(m["shape"]))
+        out = {"sha": hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()}
+    except StaleEmbeddingError:
+        out = {"stale": True}
+    print(json.dumps(out), flush=True)
+"""
+
+# Reads the most recently announced entries in a tight loop while the parent keeps overwriting;
+# every successful read must be a whole entry (all elements equal to its fill value).
+_RACE = r"""
+import json, os, random, sys, torch
+from epdq.errors import StaleEmbeddingError
+from epdq.ring import RingReader
+torch.set_num_threads(1)  # on a busy 2-core box a 2-thread pool makes each copy ~25x slower
+r, counts, recent, buf = RingReader(), {"ok": 0, "stale": 0, "torn": 0}, [], b""
+fd = sys.stdin.fileno()
+os.set_blocking(fd, False)  # poll for announcements between reads: no thread, no GIL ping-pong
+print("ready", flush=True)
+while True:
+    try:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        *lines, buf = (buf + chunk).split(b"\n")
+        recent = (recent + [json.loads(x) for x in lines])[-4:]
+    except BlockingIOError:
+        pass
+    if not recent:
+        continue
+    m = random.choice(recent)
+    try:
+        t = r.read(m["seg"], m["off"], m["nbytes"], bytes.fromhex(m["key"]), m["gen"],
+                   torch.float32, (m["nbytes"] // 4,))
+    except StaleEmbeddingError:
+        counts["stale"] += 1
+        continue
+    counts["ok" if bool((t == m["fill"]).all()) else "torn"] += 1
+print(json.dumps(counts), flush=True)
+"""
+
+
+def child(code: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def describe(w: RingWriter, key: bytes, loc, t: torch.Tensor, **extra) -> str:
+    return json.dumps(
+        {
+            "seg": w.name,
+            "off": loc.offset,
+            "nbytes": loc.nbytes,
+            "key": key.hex(),
+            "gen": loc.generation,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            **extra,
+        }
+    )
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_another_process_reads_identical_bytes():
+    w = RingWriter(8 * MIN_CAPACITY, owner_tag="itest")
+    try:
+        tensors = [torch.randn(256, 1024), torch.randn(1196, 128).to(torch.bfloat16), torch.randn(3, 5, 7)]
+        lines = []
+        for t in tensors:
+            k = secrets.token_bytes(16)
+            lines.append(describe(w, k, w.write(k, t), t))
+        gone = secrets.token_bytes(16)
+        gone_loc = w.write(gone, tensors[2])
+        w.unpin(gone, gone_loc.generation)
+        assert w.evict_unpinned() == 1
+        lines.append(describe(w, gone, gone_loc, tensors[2]))
+        p = child(_READ_ONCE)
+        out, err = p.communicate("\n".join(lines) + "\n", timeout=120)
+        assert p.returncode == 0, err
+        results = [json.loads(x) for x in out.splitlines()]
+        assert results == [{"sha": sha(t)} for t in tensors] + [{"stale": True}]
+    finally:
+        w.close()
+
+
+def test_reader_racing_an_overwriter_never_sees_torn_data():
+    w = RingWriter(8 * MIN_CAPACITY, owner_tag="race")
+    p = child(_RACE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        gen = torch.Generator().manual_seed(0)
+        deadline = time.monotonic() + 2.0
+        written = 0
+        while time.monotonic() < deadline:
+            words = int(torch.randint(64 * 1024, 512 * 1024, (1,), generator=gen))
+            k = secrets.token_bytes(16)
+            fill = float(written % (1 << 20))
+            t = torch.full((words,), fill)
+            loc = w.write(k, t)
+            assert loc is not None  # nothing stays pinned, so there is always room
+            w.unpin(k, loc.generation)  # evictable at once: the next writes race the reader
+            p.stdin.write(describe(w, k, loc, t, fill=fill) + "\n")
+            p.stdin.flush()
+            written += 1
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        counts = json.loads(out)
+        assert counts["torn"] == 0, counts
+        assert counts["ok"] > 0 and counts["stale"] > 0, counts
+    finally:
+        torch.set_num_threads(threads)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        w.close()
+
+
+_CRASH = r"""
+import os, torch
+from epdq.ring import RingWriter
+w = RingWriter(1 << 20, owner_tag="crash")
+w.write(bytes(16), torch.zeros(16))
+print(w.name, flush=True)
+os._exit(0)  # no close, no finalizers: as if killed
+"""
+
+
+def test_cleanup_removes_segment_of_a_crashed_writer():
+    p = child(_CRASH)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    name = out.strip()
+    path = os.path.join(SHM_DIR, name)
+    assert os.path.exists(path)
+    try:
+        assert name in cleanup_stale_segments()
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

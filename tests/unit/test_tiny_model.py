@@ -1,0 +1,86 @@
+"""The embedded tiny checkpoint: deterministic bytes, real HF format, safe concurrent first use."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import threading
+
+import pytest
+
+from epdq.models.tiny import SPECIAL_TOKENS, TinySpec, default_model_dir, write_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def digests(path: pathlib.Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> pathlib.Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m")
+
+
+def test_two_builds_are_byte_identical(tiny, tmp_path):
+    again = write_tiny_checkpoint(tmp_path / "again")
+    assert digests(again) == digests(tiny)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(digests(tiny))
+
+
+def test_refuses_to_overwrite_unless_asked(tiny):
+    with pytest.raises(FileExistsError):
+        write_tiny_checkpoint(tiny)
+
+
+def test_config_token_ids_match_tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    config = json.loads((tiny / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert len(tok) == config["text_config"]["vocab_size"] == TinySpec().vocab_size
+    assert config["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert config["video_token_id"] == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert config["vision_start_token_id"] == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert tok.eos_token == "<|im_end|>"
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(2048 - len(SPECIAL_TOKENS), 2048))
+    assert tok.decode(tok.encode("A red kite, 42 times.")) == "A red kite, 42 times."
+
+
+def test_processor_loads_without_torchvision(tiny):
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny, trust_remote_code=True)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    prompt = proc.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.count("<|vision_start|><|image_pad|><|vision_end|>") == 1
+    out = proc(text=[prompt], images=[Image.new("RGB", (112, 112))], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 8, 8]]  # 16 image tokens after the 2x2 merge
+    with pytest.raises(ValueError):
+        proc.video_processor([[Image.new("RGB", (56, 56))] * 2])
+
+
+def test_default_model_dir_is_built_once_under_concurrency(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPDQ_HOME", str(tmp_path / "home"))
+    results: list[pathlib.Path] = []
+    errors: list[BaseException] = []
+
+    def call():
+        try:
+            results.append(default_model_dir())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 3 and len(set(results)) == 1
+    path = results[0]
+    assert path == tmp_path / "home" / "models" / "tiny-qwen2-vl-v1"
+    # Only the finished checkpoint (plus the lock file) is left; no staging directories.
+    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-qwen2-vl-v1.lock", "tiny-qwen2-vl-v1"]
+    assert default_model_dir() == path
