@@ -58,7 +58,9 @@ class HFVisionEncoder:
 
         config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=True)
         if config.model_type not in _VISION_CLASSES:
-            raise ValueError(f"unsupported model_type {config.model_type!r}; known: {sorted(_VISION_CLASSES)}")
+            raise ValueError(
+                f"unsupported model_type {config.model_type!r}; known: {sorted(_VISION_CLASSES)}"
+            )
         self._vision_config = config.vision_config
         self.merge_size = int(self._vision_config.spatial_merge_size)
         self.processor = AutoImageProcessor.from_pretrained(self.model_dir, trust_remote_code=True)
@@ -105,7 +107,9 @@ class HFVisionEncoder:
         embeds = embeds.to("cpu")
         rows = self.expected_rows(grid)
         if embeds.shape[0] != sum(rows) or embeds.shape[1] != self.hidden_size:
-            raise RuntimeError(f"vision tower returned {tuple(embeds.shape)}, expected ({sum(rows)}, {self.hidden_size})")
+            raise RuntimeError(
+                f"vision tower returned {tuple(embeds.shape)}, expected ({sum(rows)}, {self.hidden_size})"
+            )
         return [
             EncodedImage(embeds=chunk.contiguous(), grid_thw=tuple(g))
             for chunk, g in zip(torch.split(embeds, rows), grid.tolist(), strict=True)
@@ -160,7 +164,9 @@ def _build_tower(config, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         model = cls._from_config(config.vision_config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise ValueError(f"vision weights do not match the tower: missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise ValueError(
+            f"vision weights do not match the tower: missing={missing[:5]} unexpected={unexpected[:5]}"
+        )
     return model.eval()
 
 
@@ -177,5 +183,7 @@ def _scope(weights: dict[str, torch.Tensor], vision_config, processor, dtype: st
     proc = processor.to_dict()
     proc.pop("processor_class", None)
     proc["__class__"] = type(processor).__name__
-    h.update(json.dumps({"vision": cfg, "processor": proc, "dtype": dtype}, sort_keys=True, default=str).encode())
+    h.update(
+        json.dumps({"vision": cfg, "processor": proc, "dtype": dtype}, sort_keys=True, default=str).encode()
+    )
     return h.hexdigest()

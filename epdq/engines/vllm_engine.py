@@ -79,7 +79,9 @@ class VllmEngine:
         kv_cache_bytes: int = 64 * 2**20,
         max_images_per_prompt: int = 8,
     ) -> None:
-        self.config = VllmEngineConfig(mode, dtype, max_model_len, max_num_seqs, kv_cache_bytes, max_images_per_prompt)
+        self.config = VllmEngineConfig(
+            mode, dtype, max_model_len, max_num_seqs, kv_cache_bytes, max_images_per_prompt
+        )
         self.model_dir = pathlib.Path(model_dir).absolute()
         self.mode = mode
         from transformers import AutoConfig, AutoTokenizer
@@ -170,8 +172,7 @@ class VllmEngine:
             handler = getattr(llm, "output_handler", None)
             if handler is not None and not handler.done():
                 handler.cancel()
-                with contextlib.suppress(BaseException):
-                    await handler
+                await asyncio.wait([handler], timeout=5)
             await asyncio.to_thread(llm.shutdown)
             await asyncio.sleep(0)  # shutdown closes the client's sockets through this loop
             _destroy_zmq_context(llm)
@@ -188,7 +189,9 @@ class VllmEngine:
         validate_messages(messages)
         n_images = count_image_parts(messages)
         if n_images > self.config.max_images_per_prompt:
-            raise InvalidInputError(f"{n_images} images exceed max_images_per_prompt={self.config.max_images_per_prompt}")
+            raise InvalidInputError(
+                f"{n_images} images exceed max_images_per_prompt={self.config.max_images_per_prompt}"
+            )
         try:
             prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors: the template rejected these messages
@@ -249,7 +252,9 @@ class VllmEngine:
                 if reason is not None and reason not in ("stop", "length"):
                     reason = "stop"  # e.g. "repetition": the model stopped on its own
                 if completion.token_ids or completion.text or reason is not None:
-                    yield Delta(token_ids=list(completion.token_ids), text=completion.text, finish_reason=reason)
+                    yield Delta(
+                        token_ids=list(completion.token_ids), text=completion.text, finish_reason=reason
+                    )
         except EngineDeadError as exc:
             self._dead = exc
             raise EngineError(f"vLLM engine core died: {exc}", request_id=request_id) from exc
@@ -303,9 +308,13 @@ class VllmEngine:
         if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
             raise InvalidInputError("image_embeds and image_grid_thw must both be tensors")
         if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
-            raise InvalidInputError(f"image_grid_thw must be an integer [n, 3] tensor, got {tuple(grid.shape)}")
+            raise InvalidInputError(
+                f"image_grid_thw must be an integer [n, 3] tensor, got {tuple(grid.shape)}"
+            )
         if grid.shape[0] != n_placeholders:
-            raise InvalidInputError(f"{grid.shape[0]} grids for {n_placeholders} image placeholders in the prompt")
+            raise InvalidInputError(
+                f"{grid.shape[0]} grids for {n_placeholders} image placeholders in the prompt"
+            )
         m = self.merge_size
         for t, h, w in grid.tolist():
             if t < 1 or h < m or w < m or h % m or w % m:

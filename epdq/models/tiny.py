@@ -116,7 +116,9 @@ def default_model_dir() -> pathlib.Path:
     return target
 
 
-def write_tiny_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
+def write_tiny_checkpoint(
+    out_dir: str | os.PathLike, *, seed: int = 0, overwrite: bool = False
+) -> pathlib.Path:
     """Write the tiny checkpoint to `out_dir` atomically and return its path."""
     out = pathlib.Path(out_dir).absolute()
     if out.exists() and not overwrite:
@@ -333,7 +335,9 @@ def _write_weights(path: pathlib.Path, spec: TinySpec, seed: int) -> None:
             is_norm_scale = name.endswith(".weight") and ("norm" in name or "ln_q" in name)
             value = np.ones(shape, np.float32) if is_norm_scale else np.zeros(shape, np.float32)
         else:
-            std = spec.embed_std if ("embed_tokens" in name or name.startswith("lm_head")) else spec.matrix_std
+            std = (
+                spec.embed_std if ("embed_tokens" in name or name.startswith("lm_head")) else spec.matrix_std
+            )
             value = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(value))
     save_file(tensors, str(path), metadata={"format": "pt"})

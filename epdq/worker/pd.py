@@ -184,27 +184,36 @@ class PDWorker:
         self.link.send(P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason))
 
     async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings of every image in prompt order, concatenated, and their grids [n, 3]."""
-        tensors: dict[tuple[bytes, int], torch.Tensor] = {}
+        """Embeddings of every image in prompt order in ONE tensor, and their grids [n, 3].
+
+        Each entry is copied once, straight into its rows of the result; an image repeated in
+        the prompt is copied from its first rows instead of being read again.
+        """
         hidden = self.engine.hidden_size
+        dtype = _DTYPES.get(refs[0].dtype)
         for r in refs:
-            ident = (r.key, r.generation)
-            if ident in tensors:
-                continue
-            dtype = _DTYPES.get(r.dtype)
-            if dtype is None or len(r.shape) != 2 or r.shape[1] != hidden or len(r.grid) != 3:
+            if _DTYPES.get(r.dtype) is not dtype or dtype is None or len(r.shape) != 2 or r.shape[1] != hidden:
                 raise InvalidInputError(f"embedding {r.dtype}{r.shape} does not fit this model (hidden {hidden})")
-            if self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
+            if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
+        embeds = torch.empty((sum(r.shape[0] for r in refs), hidden), dtype=dtype)
+        first: dict[tuple[bytes, int], torch.Tensor] = {}
+        row = 0
+        for r in refs:
+            out = embeds[row : row + r.shape[0]]
+            row += r.shape[0]
+            ident = (r.key, r.generation)
+            if ident in first:
+                out.copy_(first[ident])
+                continue
             if r.node == self.node and r.segment:
-                t = self.reader.read(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape))
+                self.reader.read(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape), out=out)
                 self.local_reads += 1
             else:
                 data = await self.fetcher.fetch(r)
-                t = torch.frombuffer(bytearray(data), dtype=dtype).reshape(r.shape)
+                out.copy_(torch.frombuffer(data, dtype=dtype).view(r.shape))
                 self.remote_reads += 1
-            tensors[ident] = t
-        embeds = torch.cat([tensors[(r.key, r.generation)] for r in refs], dim=0)
+            first[ident] = out
         grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
         return embeds, grid
 

@@ -122,8 +122,12 @@ async def test_other_image_embeddings_change_output(engines, encoder):
     assert out_a[0] != out_b[0]
     # Order matters too: swapping two images' embeddings changes the answer.
     prompt2 = pd.render_prompt(chat(2))
-    ab = await collect(pd, prompt2, SPEC, image_embeds=torch.cat([a.embeds, b.embeds]), image_grid_thw=stack([a, b])[1])
-    ba = await collect(pd, prompt2, SPEC, image_embeds=torch.cat([b.embeds, a.embeds]), image_grid_thw=stack([b, a])[1])
+    ab = await collect(
+        pd, prompt2, SPEC, image_embeds=torch.cat([a.embeds, b.embeds]), image_grid_thw=stack([a, b])[1]
+    )
+    ba = await collect(
+        pd, prompt2, SPEC, image_embeds=torch.cat([b.embeds, a.embeds]), image_grid_thw=stack([b, a])[1]
+    )
     assert ab[0] != ba[0]
 
 
@@ -132,18 +136,24 @@ async def test_bad_embeddings_are_rejected_and_engine_survives(engines, encoder)
     prompt = pd.render_prompt(chat(1))
     (enc,) = encoder.encode([noise_image(3, (112, 112))])
     embeds, grid = stack([enc])
-    bad = [
-        dict(image_embeds=embeds[:-1], image_grid_thw=grid),  # one row short
-        dict(image_embeds=torch.zeros(embeds.shape[0], pd.hidden_size + 1), image_grid_thw=grid),  # wrong width
-        dict(image_embeds=torch.cat([embeds, embeds]), image_grid_thw=grid.repeat(2, 1)),  # 2 grids, 1 placeholder
-        dict(image_embeds=embeds, image_grid_thw=grid.float()),  # grid must be integer
-        dict(image_embeds=embeds, image_grid_thw=torch.tensor([[1, 7, 9]])),  # not a multiple of merge
-        dict(),  # placeholder without embeddings
-        dict(images=[noise_image(3, (112, 112))]),  # pixels to a pd engine
-    ]
-    for kwargs in bad:
+    wide = torch.zeros(embeds.shape[0], pd.hidden_size + 1)
+    bad = {
+        "one row short": dict(image_embeds=embeds[:-1], image_grid_thw=grid),
+        "wrong width": dict(image_embeds=wide, image_grid_thw=grid),
+        "2 grids, 1 placeholder": dict(
+            image_embeds=torch.cat([embeds, embeds]), image_grid_thw=grid.repeat(2, 1)
+        ),
+        "float grid": dict(image_embeds=embeds, image_grid_thw=grid.float()),
+        "grid not a multiple of merge": dict(image_embeds=embeds, image_grid_thw=torch.tensor([[1, 7, 9]])),
+        "placeholder without embeddings": dict(),
+        "pixels to a pd engine": dict(images=[noise_image(3, (112, 112))]),
+    }
+    for case, kwargs in bad.items():
         with pytest.raises(InvalidInputError):
             await collect(pd, prompt, SPEC, **kwargs)
+            pytest.fail(f"accepted: {case}")
+    with pytest.raises(InvalidInputError):  # longer than max_model_len: vLLM's own validation
+        await collect(pd, pd.render_prompt(chat(0, "kite " * 2000)), SPEC)
     tokens, _, reason = await collect(pd, prompt, SPEC, image_embeds=embeds, image_grid_thw=grid)
     assert tokens and reason in ("stop", "length") and not pd.dead
 
@@ -173,7 +183,10 @@ def test_render_prompt_one_placeholder_per_image(engines):
     pd, _ = engines
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image"}, {"type": "image_url"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "A"}, {"type": "image"}, {"type": "image_url"}],
+        },
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "plain string content"},
     ]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from epdq import ring as ring_mod
+from epdq import ring_space
 from epdq.errors import ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingReader, RingWriter
 
@@ -216,9 +217,9 @@ def test_pinned_entries_block_writes(writer):
     writer._space.check_invariants()
 
 
-@pytest.mark.parametrize("lru_tries", [ring_mod._LRU_TRIES, 0])  # 0: always the full scan
+@pytest.mark.parametrize("lru_tries", [ring_space._LRU_TRIES, 0])  # 0: always the full scan
 def test_eviction_is_least_recently_unpinned_first(writer, reader, monkeypatch, lru_tries):
-    monkeypatch.setattr(ring_mod, "_LRU_TRIES", lru_tries)
+    monkeypatch.setattr(ring_space, "_LRU_TRIES", lru_tries)
     per = 64 * 1024 - HEADER_BYTES
     entries = fill_exactly(writer, per)
     order = [3, 0, 7, 1, 2]

@@ -44,7 +44,9 @@ def test_config_token_ids_match_tokenizer(tiny):
     assert config["video_token_id"] == tok.convert_tokens_to_ids("<|video_pad|>")
     assert config["vision_start_token_id"] == tok.convert_tokens_to_ids("<|vision_start|>")
     assert tok.eos_token == "<|im_end|>"
-    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(2048 - len(SPECIAL_TOKENS), 2048))
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(
+        range(2048 - len(SPECIAL_TOKENS), 2048)
+    )
     assert tok.decode(tok.encode("A red kite, 42 times.")) == "A red kite, 42 times."
 
 

@@ -1,0 +1,171 @@
+"""Placement bookkeeping of the embedding ring: where entries sit and which to evict.
+
+Pure data structures, no memory touched, so the policy is tested (and fuzzed against a
+brute-force search) without shared memory. `epdq.ring` owns the bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+HEADER_BYTES = 64
+ALIGN = 64
+_LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
+
+
+@dataclass(slots=True, frozen=True)
+class EntryLoc:
+    """Where an entry's data lives in its segment (the header sits just before `offset`)."""
+
+    offset: int
+    nbytes: int
+    generation: int
+
+    def __post_init__(self) -> None:
+        if self.offset < HEADER_BYTES or self.offset % ALIGN:
+            raise ValueError(f"bad entry offset {self.offset}")
+        if self.nbytes < 0 or not 0 < self.generation < 2**64:
+            raise ValueError(f"bad entry nbytes/generation {self.nbytes}/{self.generation}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: bytes
+    generation: int
+    start: int  # header offset
+    span: int  # header + padded data
+    nbytes: int
+    pinned: bool = True
+    stamp: int = 0  # LRU clock at the last unpin
+
+    @property
+    def end(self) -> int:
+        return self.start + self.span
+
+    def loc(self) -> EntryLoc:
+        return EntryLoc(self.start + HEADER_BYTES, self.nbytes, self.generation)
+
+
+class RingSpace:
+    """Where entries sit in the ring and which to evict: pure bookkeeping, no memory touched.
+
+    Placement: a free window if any (trying the end of the last placement first, so sequential
+    writes pack densely), else a window around one of the few least recently unpinned entries,
+    else a full O(n) scan; each picks the window whose newest victim is least recently used
+    (ties: fewer victims) and never one that touches a pinned entry."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.starts: list[int] = []  # sorted header offsets, parallel to `order`
+        self.order: list[_Entry] = []
+        self.by_key: dict[bytes, _Entry] = {}
+        self.lru: OrderedDict[bytes, _Entry] = OrderedDict()  # unpinned, least recent first
+        self.used_bytes = 0  # header + padded data of resident entries, pinned or not
+        self.pinned_bytes = 0
+        self._clock = 0
+        self._cursor = 0
+
+    def set_pinned(self, e: _Entry, pinned: bool) -> None:
+        if e.pinned != pinned:
+            self.pinned_bytes += e.span if pinned else -e.span
+            e.pinned = pinned
+        if pinned:
+            self.lru.pop(e.key, None)
+        else:
+            self._clock += 1
+            e.stamp = self._clock
+            self.lru[e.key] = e
+            self.lru.move_to_end(e.key)
+
+    def add(self, e: _Entry) -> None:
+        """Record a new pinned entry; the caller has removed everything it overlaps."""
+        idx = bisect.bisect_left(self.starts, e.start)
+        self.starts.insert(idx, e.start)
+        self.order.insert(idx, e)
+        self.by_key[e.key] = e
+        self.used_bytes += e.span
+        self.pinned_bytes += e.span * e.pinned
+        self._cursor = e.end
+
+    def remove(self, e: _Entry) -> None:
+        if e.pinned:
+            raise AssertionError("evicting a pinned ring entry")  # a bug, never a runtime case
+        idx = bisect.bisect_left(self.starts, e.start)
+        del self.starts[idx], self.order[idx], self.by_key[e.key]
+        self.lru.pop(e.key, None)
+        self.used_bytes -= e.span
+
+    def overlapping(self, start: int, end: int) -> list[_Entry]:
+        i = bisect.bisect_left(self.starts, start)
+        if i and self.order[i - 1].end > start:
+            i -= 1
+        return self.order[i : bisect.bisect_left(self.starts, end)]
+
+    def find_window(self, span: int) -> int | None:
+        """Start of the window for a new entry of `span` bytes; None if every window is pinned."""
+        s = self._cursor if self._cursor + span <= self.capacity else 0
+        if not self.overlapping(s, s + span):
+            return s
+        best, best_cost = None, None
+        for e in itertools.islice(self.lru.values(), _LRU_TRIES):  # O(log n) each
+            idx = bisect.bisect_left(self.starts, e.start)
+            before = self.order[idx - 1].end if idx else 0
+            after = self.order[idx + 1].start if idx + 1 < len(self.order) else self.capacity
+            for s in (before, after - span):
+                cost = self._window_cost(s, span)
+                if cost is not None and (best_cost is None or cost < best_cost):
+                    best, best_cost = s, cost
+        return best if best is not None else self._scan(span)
+
+    def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
+        if s < 0 or s + span > self.capacity:
+            return None
+        victims = self.overlapping(s, s + span)
+        if any(v.pinned for v in victims):
+            return None
+        return (max((v.stamp for v in victims), default=0), len(victims))
+
+    def _scan(self, span: int) -> int | None:
+        # Sliding window over candidate starts (0, each unpinned start, each entry end), all
+        # ascending; an optimal pin-free window can always be shifted left onto one of them.
+        order, n = self.order, len(self.order)
+        i = j = pinned_in = head = 0
+        maxq: list[int] = []  # indices in [i, j) with decreasing stamps (unpinned only), from head
+        best, best_cost = None, None
+        for s in itertools.chain((0,), *(((e.start, e.end) if not e.pinned else (e.end,)) for e in order)):
+            end = s + span
+            if end > self.capacity:
+                break
+            while j < n and order[j].start < end:
+                if order[j].pinned:
+                    pinned_in += 1
+                else:
+                    while len(maxq) > head and order[maxq[-1]].stamp <= order[j].stamp:
+                        maxq.pop()
+                    maxq.append(j)
+                j += 1
+            while i < j and order[i].end <= s:
+                pinned_in -= order[i].pinned
+                head += len(maxq) > head and maxq[head] == i
+                i += 1
+            if pinned_in:
+                continue
+            if i == j:
+                return s
+            cost = (order[maxq[head]].stamp, j - i)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = s, cost
+        return best
+
+    def check_invariants(self) -> None:
+        """For tests: entries sorted, disjoint, aligned, in bounds; counters and LRU match."""
+        assert self.starts == [e.start for e in self.order] and len(self.by_key) == len(self.order)
+        assert all(a.end <= b.start for a, b in zip(self.order, self.order[1:], strict=False))
+        assert all(e.start % ALIGN == 0 and e.end <= self.capacity for e in self.order)
+        assert self.used_bytes == sum(e.span for e in self.order)
+        assert self.pinned_bytes == sum(e.span for e in self.order if e.pinned)
+        unpinned = sorted((e for e in self.order if not e.pinned), key=lambda e: e.stamp)
+        assert list(self.lru.values()) == unpinned
