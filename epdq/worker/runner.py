@@ -35,6 +35,7 @@ class WorkerConfig:
     kv_cache_bytes: int = 64 * 2**20
     max_images_per_prompt: int = 8
     heartbeat_s: float = 1.0
+    threads: int = 1  # torch intra-op threads of an encoder (vLLM engines set their own)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -47,6 +48,8 @@ class WorkerConfig:
             self.capacity = 8 if self.role == "encoder" else 16
         if self.ring_bytes < 2**20:
             raise ValueError("ring_bytes must be >= 1 MiB")
+        if not 1 <= self.threads <= 1024:
+            raise ValueError("threads must be in [1, 1024]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
         self.node = self.node or socket.gethostname()
@@ -80,6 +83,9 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
     from epdq.ring import RingWriter, cleanup_stale_segments
     from epdq.worker.encoder import EncoderWorker
 
+    import torch
+
+    torch.set_num_threads(cfg.threads)
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by dead processes", len(removed))
