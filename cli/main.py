@@ -51,6 +51,8 @@ def worker(
     capacity: int = typer.Option(0, help="Jobs held at once (0 = role default)."),
     ring_mb: int = typer.Option(256, help="Encoder ring size, MiB."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    fetch_bind: str = typer.Option("tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."),
+    threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
     log_format: str = typer.Option("text", help="text or json"),
 ) -> None:
     """Run one worker."""
@@ -60,8 +62,9 @@ def worker(
 
     setup_logging("info", log_format)
     cfg = WorkerConfig(
-        role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype
-    )
+        role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype,
+        fetch_bind=fetch_bind, threads=threads,
+    )  # fmt: skip
     _run(serve_worker(cfg))
 
 
@@ -69,17 +72,19 @@ def worker(
 def up(
     address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address to serve on."),
     encoders: int = typer.Option(1, help="Encoder workers."),
-    pds: int = typer.Option(1, help="PD workers."),
-    colocated: int = typer.Option(0, "--colocated", help="Colocated ('both') workers; with 0 encoders/pds: the baseline."),
+    pds: int = typer.Option(1, help="PD workers (with --colocated: colocated workers)."),
+    colocated: bool = typer.Option(False, "--colocated", help="The baseline: colocated workers only, no encoders."),
+    both: int = typer.Option(0, help="Colocated workers to run beside the disaggregated ones."),
     model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
     log_dir: str = typer.Option("", help="Where child logs go (default: a temporary directory)."),
 ) -> None:
     """Start broker + workers on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
 
-    if colocated and encoders == 1 and pds == 1:
-        encoders = pds = 0  # `epdq up --colocated N` alone means the baseline cluster
-    cluster = Cluster(ClusterSpec(address=address, encoders=encoders, pds=pds, both=colocated, model=model, log_dir=log_dir))
+    if colocated:
+        encoders, pds, both = 0, 0, max(pds, 1) + both
+    spec = ClusterSpec(address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir)
+    cluster = Cluster(spec)
 
     async def main() -> None:
         try:

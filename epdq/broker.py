@@ -41,6 +41,7 @@ MAX_TOKENS_LIMIT = 32768
 class BrokerConfig:
     address: str = "tcp://127.0.0.1:7700"
     max_queued_requests: int = 1024
+    max_held_image_bytes: int = 2**30  # image files held for live requests; beyond it: busy
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 2**20
     default_timeout_s: float = 120.0
@@ -80,6 +81,7 @@ class Broker:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_queued_requests=self.cfg.max_queued_requests,
+                max_held_image_bytes=self.cfg.max_held_image_bytes,
                 busy_retry_after_s=self.cfg.busy_retry_after_s,
                 max_timeout_s=self.cfg.max_timeout_s,
             )

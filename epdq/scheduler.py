@@ -47,6 +47,7 @@ class ReqState(Enum):
 @dataclass(slots=True)
 class SchedulerConfig:
     max_queued_requests: int = 1024  # waiting + ready; beyond that, submit answers busy
+    max_held_image_bytes: int = 2**30  # image files kept for live requests (for re-encodes)
     max_encode_attempts: int = 3
     max_pd_attempts: int = 3
     busy_retry_after_s: float = 0.5
@@ -54,8 +55,8 @@ class SchedulerConfig:
     locality_scan: int = 64  # free PD workers examined for one on the embeddings' node
 
     def __post_init__(self) -> None:
-        if self.max_queued_requests < 1:
-            raise ValueError("max_queued_requests must be >= 1")
+        if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:
+            raise ValueError("max_queued_requests and max_held_image_bytes must be >= 1")
         if self.max_encode_attempts < 1 or self.max_pd_attempts < 1:
             raise ValueError("attempt caps must be >= 1")
         if self.busy_retry_after_s < 0 or self.max_timeout_s <= 0:
@@ -110,6 +111,7 @@ class Request:
     streamed: bool = False
     attempts: int = 0
     cache_hits: int = 0
+    image_bytes: int = 0
 
 
 # ---------------------------------------------------------------- decisions
@@ -181,6 +183,7 @@ class Scheduler:
         self._actions: list[Action] = []
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.queued = 0  # requests waiting or ready
+        self.held_image_bytes = 0
 
     # ------------------------------------------------------------ plumbing
 
@@ -282,12 +285,20 @@ class Scheduler:
                 f"{self.queued} requests queued (limit {self.cfg.max_queued_requests})",
                 retry_after=self.cfg.busy_retry_after_s, request_id=rid,
             )  # fmt: skip
+        nbytes = sum(memoryview(im).nbytes for im in images)
+        if self.held_image_bytes + nbytes > self.cfg.max_held_image_bytes:
+            self.counters["busy_rejections"] += 1
+            raise BusyError(
+                f"{self.held_image_bytes >> 20} MiB of images held (limit {self.cfg.max_held_image_bytes >> 20} MiB)",
+                retry_after=self.cfg.busy_retry_after_s, request_id=rid,
+            )  # fmt: skip
         route = self._resolve_route(route)
         if route == "epd" and len(keys) != len(images):
             raise InvalidInputError("one key per image is required", request_id=rid)
         now = self.clock()
-        req = Request(rid, client, route, list(keys), list(images), now + timeout_s, payload, now)
+        req = Request(rid, client, route, list(keys), list(images), now + timeout_s, payload, now, image_bytes=nbytes)
         self.requests[rid] = req
+        self.held_image_bytes += nbytes
         self.queued += 1
         self.counters["requests_submitted"] += 1
         heapq.heappush(self._deadlines, (req.deadline, rid))
@@ -365,6 +376,7 @@ class Scheduler:
             self._emit(SendAbort(req.worker, req.rid))
         req.state = ReqState.DONE
         del self.requests[req.rid]
+        self.held_image_bytes -= req.image_bytes
         self._unreference(req)
         if error is None:
             self.counters["requests_completed"] += 1
@@ -572,6 +584,7 @@ class Scheduler:
             "requests_ready": states[ReqState.READY],
             "requests_running": states[ReqState.RUNNING],
             "requests_queued": self.queued,
+            "held_image_bytes": self.held_image_bytes,
             "encode_queue": sum(1 for j in self.jobs.values() if j.worker is None),
             "encodes_inflight": sum(1 for j in self.jobs.values() if j.worker is not None),
             "index_entries": len(self.index),

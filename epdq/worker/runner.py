@@ -79,11 +79,11 @@ async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) ->
 
 
 async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
+    import torch
+
     from epdq.engines.vision import HFVisionEncoder
     from epdq.ring import RingWriter, cleanup_stale_segments
     from epdq.worker.encoder import EncoderWorker
-
-    import torch
 
     torch.set_num_threads(cfg.threads)
     removed = cleanup_stale_segments()

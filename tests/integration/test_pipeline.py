@@ -186,3 +186,64 @@ async def test_remote_fetch_path_is_token_identical(local_cluster, remote_cluste
     after = await counters(remote_cluster.address)
     assert after["remote_handoffs"] == before["remote_handoffs"] + 1
     assert epd.token_ids == colo.token_ids
+
+
+async def _wait_for(addr: str, pred, timeout: float = 20.0) -> dict:
+    async with AsyncClient(addr) as c:
+        end = asyncio.get_running_loop().time() + timeout
+        while True:
+            s = await c.stats()
+            if pred(s) or asyncio.get_running_loop().time() > end:
+                return s
+            await asyncio.sleep(0.05)
+
+
+def _pd_idle(s: dict) -> bool:
+    return all(w["inflight"] == 0 for w in s["workers"] if w["role"] == "pd")
+
+
+async def test_cancelled_task_aborts_the_sequence(local_cluster):
+    addr = local_cluster.address
+    before = await counters(addr)
+    async with AsyncClient(addr) as c:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c.generate("Keep talking.", max_tokens=2000, route="epd"), 0.3)
+    s = await _wait_for(addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s))
+    assert s["counters"]["cancelled"] == before["cancelled"] + 1
+    assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)
+
+
+CLIENT_SCRIPT = """
+import asyncio, sys
+from epdq import AsyncClient
+
+async def main():
+    async with AsyncClient(sys.argv[1]) as c:
+        async for d in c.stream("Talk for a long time.", max_tokens=3000, route="epd"):
+            print("streaming", flush=True)
+            await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_client_gone_aborts_the_sequence(local_cluster, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    addr = local_cluster.address
+    before = await counters(addr)
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), addr], stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert line.strip() == "streaming"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+    s = await _wait_for(addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s))
+    assert s["counters"]["cancelled"] == before["cancelled"] + 1
+    assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)

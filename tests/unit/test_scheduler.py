@@ -284,3 +284,14 @@ def test_no_leak_after_many_requests(clock):
     assert all(w.credit == w.capacity for w in s.workers.values())
     assert all(not e.pinned for e in s.index.values())
     assert s.counters["encodes_done"] == 50
+
+
+def test_held_image_bytes_are_bounded(clock):
+    s = make(clock, enc_cap=1, max_held_image_bytes=100)
+    s.submit("r1", b"c", [K(1)], [b"x" * 60], 10, None)
+    with pytest.raises(BusyError, match="held"):
+        s.submit("r2", b"c", [K(2)], [b"y" * 60], 10, None)
+    assert s.held_image_bytes == 60
+    s.cancel("r1")
+    assert s.held_image_bytes == 0
+    s.submit("r2", b"c", [K(2)], [b"y" * 60], 10, None)
