@@ -1,6 +1,5 @@
 """epdq: encoder-disaggregated serving of vision-language models over an asyncio ZeroMQ pipeline."""
 
-from epdq.client import AsyncClient, Delta, GenerateResult, Timings
 from epdq.errors import (
     BrokerUnavailableError,
     BusyError,
@@ -16,8 +15,19 @@ from epdq.errors import (
 
 __version__ = "0.1.0"
 
+_CLIENT_NAMES = ("AsyncClient", "Delta", "GenerateResult", "Timings")
+
+
+def __getattr__(name: str):
+    # lazy, so `import epdq.scheduler` (pure logic) does not drag in zmq through the client
+    if name in _CLIENT_NAMES:
+        from epdq import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'epdq' has no attribute {name!r}")
+
+
 __all__ = [
-    "AsyncClient", "Delta", "GenerateResult", "Timings", "EpdqError", "BusyError", "InvalidInputError",
-    "DeadlineExceededError", "WorkerLostError", "BrokerUnavailableError", "CancelledError", "EngineError",
-    "ProtocolError", "InternalError", "__version__",
+    *_CLIENT_NAMES, "EpdqError", "BusyError", "InvalidInputError", "DeadlineExceededError", "WorkerLostError",
+    "BrokerUnavailableError", "CancelledError", "EngineError", "ProtocolError", "InternalError", "__version__",
 ]  # fmt: skip

@@ -139,8 +139,8 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
         """Yield deltas (`text`, `token_ids`) as tokens arrive; the last has `finish_reason`.
 
-        Keyword arguments: images, messages, max_tokens, temperature, top_p, seed, stop, timeout,
-        route ("auto" | "epd" | "colocated"). Breaking out of the loop or cancelling the task
+        Keyword arguments: images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos,
+        timeout, route ("auto" | "epd" | "colocated"). Breaking out of the loop or cancelling the task
         cancels the request on the broker and the PD worker.
         """
         async for d in self._run(prompt, **kwargs):
@@ -185,6 +185,7 @@ class AsyncClient:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Iterable[str] | None = None,
+        ignore_eos: bool = False,
         timeout: float | None = None,
         route: str = "auto",
     ) -> AsyncIterator[Delta | tuple]:
@@ -195,7 +196,7 @@ class AsyncClient:
             raise InvalidInputError("timeout must be > 0")
         if isinstance(stop, str):
             stop = [stop]
-        sampling = P.Sampling(int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()))
+        sampling = P.Sampling(int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()), bool(ignore_eos))
         rid = uuid.uuid4().hex
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
         q: asyncio.Queue = asyncio.Queue()

@@ -80,6 +80,7 @@ class Sampling(_S):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = []
+    ignore_eos: bool = False
 
 
 class Timings(_S):

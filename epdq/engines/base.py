@@ -48,6 +48,7 @@ class SamplingSpec:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, fixed-length tests)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -62,6 +63,8 @@ class SamplingSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError("seed must be an int or None")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a bool")
         if isinstance(self.stop, str):
             raise ValueError("stop must be a sequence of strings, not a string")
         self.stop = tuple(self.stop)

@@ -278,6 +278,7 @@ class VllmEngine:
             top_p=s.top_p,
             seed=s.seed,
             stop=list(s.stop) or None,
+            ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -122,20 +122,30 @@ class EncoderWorker:
         try:
             # the forward runs in a thread so heartbeats and fetches keep flowing
             outs = await asyncio.to_thread(self.engine.encode, images)
-        except EpdqError as e:
-            for job in good:
-                self._fail(job, e)
-            return
         except Exception as e:
-            log.exception("vision forward failed")
-            for job in good:
-                self._fail(job, InternalError(f"vision forward failed: {type(e).__name__}: {e}"))
+            if len(good) > 1:
+                # one bad image must not fail its batch-mates: encode them one by one
+                for job, image in zip(good, images, strict=True):
+                    await self._encode_one(job, image)
+                self._report_evictions()
+                return
+            self._fail(good[0], _as_epdq_error(e))
             return
         per_image = (time.perf_counter() - t0) / len(good)
         for job, out in zip(good, outs, strict=True):
             if self._blocked or not self._store(job, out, per_image):
                 self._blocked.append((job, out, per_image))  # keeps completion order
         self._report_evictions()
+
+    async def _encode_one(self, job: _Job, image: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            (out,) = await asyncio.to_thread(self.engine.encode, [image])
+        except Exception as e:
+            self._fail(job, _as_epdq_error(e))
+            return
+        if self._blocked or not self._store(job, out, time.perf_counter() - t0):
+            self._blocked.append((job, out, time.perf_counter() - t0))
 
     def _store(self, job: _Job, out: EncodedImage, encode_s: float) -> bool:
         try:
@@ -194,3 +204,10 @@ class EncoderWorker:
     def close(self) -> None:
         if self._fetch is not None:
             self._fetch.close()
+
+
+def _as_epdq_error(e: BaseException) -> EpdqError:
+    if isinstance(e, EpdqError):
+        return e
+    log.error("vision forward failed", exc_info=e)
+    return InternalError(f"vision forward failed: {type(e).__name__}: {e}"[:500])

@@ -156,7 +156,7 @@ class PDWorker:
     async def _generate(self, msg: P.Prefill, payload: list[Any]) -> None:
         s = msg.sampling
         try:
-            sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop))
+            sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop), s.ignore_eos)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         prompt = self.engine.render_prompt(P.messages_to_openai(msg.messages))

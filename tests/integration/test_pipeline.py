@@ -138,7 +138,7 @@ async def test_cancel_reaches_the_pd_worker(local_cluster):
     addr = local_cluster.address
     before = await counters(addr)
     async with AsyncClient(addr) as c:
-        agen = c.stream("Go on forever.", max_tokens=2000, route="epd")
+        agen = c.stream("Go on forever.", max_tokens=2000, ignore_eos=True, route="epd")
         async for _ in agen:
             break
         await agen.aclose()  # leaving the loop cancels the request
@@ -207,7 +207,7 @@ async def test_cancelled_task_aborts_the_sequence(local_cluster):
     before = await counters(addr)
     async with AsyncClient(addr) as c:
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(c.generate("Keep talking.", max_tokens=2000, route="epd"), 0.3)
+            await asyncio.wait_for(c.generate("Keep talking.", max_tokens=2000, ignore_eos=True, route="epd"), 0.3)
     s = await _wait_for(addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s))
     assert s["counters"]["cancelled"] == before["cancelled"] + 1
     assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)
@@ -219,7 +219,7 @@ from epdq import AsyncClient
 
 async def main():
     async with AsyncClient(sys.argv[1]) as c:
-        async for d in c.stream("Talk for a long time.", max_tokens=3000, route="epd"):
+        async for d in c.stream("Talk for a long time.", max_tokens=3000, ignore_eos=True, route="epd"):
             print("streaming", flush=True)
             await asyncio.sleep(3600)
 
