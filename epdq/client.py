@@ -155,7 +155,8 @@ class AsyncClient:
         self._stats_waiters[nonce] = fut
         ch.send(P.encode(P.StatsRequest(nonce)))
         try:
-            s: P.Stats = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                s: P.Stats = await fut
         except TimeoutError:
             raise BrokerUnavailableError(f"no answer from {self.address} within {timeout}s") from None
         finally:
@@ -200,6 +201,7 @@ class AsyncClient:
         rid = uuid.uuid4().hex
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
         q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         self._streams[rid] = q
         t0 = time.perf_counter()
         first = last = 0.0
@@ -209,9 +211,14 @@ class AsyncClient:
             ch.send(P.encode(sub) + blobs, copy=not blobs)
             deadline = time.monotonic() + timeout + _GRACE_S
             while True:
-                left = deadline - time.monotonic()
                 try:
-                    msg = await asyncio.wait_for(q.get(), max(left, 0.0))
+                    if q.empty():
+                        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                        # that races with the queue item arriving, and the request would run on
+                        async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
+                            msg = await q.get()
+                    else:
+                        msg = q.get_nowait()
                 except TimeoutError:
                     raise DeadlineExceededError(
                         f"no result within {timeout}s (+{_GRACE_S}s grace)", request_id=rid

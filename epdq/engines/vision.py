@@ -56,6 +56,9 @@ class HFVisionEncoder:
 
         from transformers import AutoConfig, AutoImageProcessor
 
+        from epdq.engines.remote_code import prepare_remote_code
+
+        prepare_remote_code(self.model_dir)
         config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=True)
         if config.model_type not in _VISION_CLASSES:
             raise ValueError(

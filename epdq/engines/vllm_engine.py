@@ -86,6 +86,9 @@ class VllmEngine:
         self.mode = mode
         from transformers import AutoConfig, AutoTokenizer
 
+        from epdq.engines.remote_code import prepare_remote_code
+
+        prepare_remote_code(self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=True)
         text_config = getattr(hf_config, "text_config", hf_config)
         self.hidden_size: int = int(text_config.hidden_size)

@@ -69,7 +69,8 @@ class RemoteFetcher:
             self._channel(ref.fetch_endpoint).send(
                 P.encode(P.Fetch(nonce, ref.key, ref.generation, ref.offset, ref.nbytes))
             )
-            msg, payload = await asyncio.wait_for(fut, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                msg, payload = await fut
         except TimeoutError:
             raise StaleEmbeddingError(f"encoder {ref.encoder_id} did not answer a fetch") from None
         finally:
