@@ -9,7 +9,9 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ."
+)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 
@@ -51,7 +53,9 @@ def worker(
     capacity: int = typer.Option(0, help="Jobs held at once (0 = role default)."),
     ring_mb: int = typer.Option(256, help="Encoder ring size, MiB."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    fetch_bind: str = typer.Option("tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."),
+    fetch_bind: str = typer.Option(
+        "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
+    ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
     log_format: str = typer.Option("text", help="text or json"),
 ) -> None:
@@ -73,7 +77,9 @@ def up(
     address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address to serve on."),
     encoders: int = typer.Option(1, help="Encoder workers."),
     pds: int = typer.Option(1, help="PD workers (with --colocated: colocated workers)."),
-    colocated: bool = typer.Option(False, "--colocated", help="The baseline: colocated workers only, no encoders."),
+    colocated: bool = typer.Option(
+        False, "--colocated", help="The baseline: colocated workers only, no encoders."
+    ),
     both: int = typer.Option(0, help="Colocated workers to run beside the disaggregated ones."),
     model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
     log_dir: str = typer.Option("", help="Where child logs go (default: a temporary directory)."),
@@ -138,7 +144,10 @@ def generate(
                                        "timings": {s: getattr(t, s) for s in t.__slots__}}))  # fmt: skip
             else:
                 typer.echo(r.text)
-                typer.echo(f"[{len(r.token_ids)} tokens, TTFT {r.timings.ttft_s * 1e3:.1f} ms, {r.finish_reason}]", err=True)
+                typer.echo(
+                    f"[{len(r.token_ids)} tokens, TTFT {r.timings.ttft_s * 1e3:.1f} ms, {r.finish_reason}]",
+                    err=True,
+                )
             return 0
 
     try:
@@ -152,7 +161,9 @@ def generate(
 def demo(
     address: str = typer.Option("tcp://127.0.0.1:7711", help="Broker address for the demo cluster."),
     model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
-    compare: bool = typer.Option(True, help="Also run each request on a colocated worker and compare tokens."),
+    compare: bool = typer.Option(
+        True, help="Also run each request on a colocated worker and compare tokens."
+    ),
 ) -> None:
     """Start a cluster, send several multimodal requests, print outputs, TTFT and cache stats, stop."""
     from epdq.demo import run_demo

@@ -228,7 +228,9 @@ class Broker:
         by_role = dict.fromkeys((r.value for r in Role), 0)
         for w in s.workers.values():
             by_role[w.role.value] += 1
-            workers.append(P.WorkerInfo(w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity))
+            workers.append(
+                P.WorkerInfo(w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity)
+            )
         gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
         gauges["uptime_s"] = time.monotonic() - self.started_at
         return P.Stats(nonce, counters, gauges, workers)
@@ -252,8 +254,12 @@ class Broker:
             if not self.scope:
                 self.scope = msg.scope
             elif msg.scope != self.scope:
-                log.error("refusing encoder %s: scope %s differs from %s", msg.worker_id, msg.scope, self.scope)
-                self._send(identity, P.Bye(f"model scope {msg.scope!r} differs from the broker's {self.scope!r}"))
+                log.error(
+                    "refusing encoder %s: scope %s differs from %s", msg.worker_id, msg.scope, self.scope
+                )
+                self._send(
+                    identity, P.Bye(f"model scope {msg.scope!r} differs from the broker's {self.scope!r}")
+                )
                 return
         old = self._by_id.get(msg.worker_id)
         if old is not None:
@@ -264,7 +270,13 @@ class Broker:
         self.workers[identity] = p
         self._by_id[msg.worker_id] = p
         self._send(identity, P.Registered(msg.worker_id, self.cfg.heartbeat_s))
-        log.info("worker %s registered: role=%s node=%s capacity=%d", msg.worker_id, role.value, msg.node, msg.capacity)
+        log.info(
+            "worker %s registered: role=%s node=%s capacity=%d",
+            msg.worker_id,
+            role.value,
+            msg.node,
+            msg.capacity,
+        )
         self.scheduler.add_worker(msg.worker_id, role, msg.node, msg.capacity, msg.ring_capacity)
 
     def _require_worker(self, identity: bytes, peer: _Peer | None) -> bool:
@@ -274,7 +286,9 @@ class Broker:
             return False
         return True
 
-    def _on_heartbeat(self, identity: bytes, peer: _Peer | None, msg: P.Heartbeat, payload: list[Any]) -> None:
+    def _on_heartbeat(
+        self, identity: bytes, peer: _Peer | None, msg: P.Heartbeat, payload: list[Any]
+    ) -> None:
         self._require_worker(identity, peer)
 
     def _on_bye(self, identity: bytes, peer: _Peer | None, msg: P.Bye, payload: list[Any]) -> None:
@@ -293,13 +307,17 @@ class Broker:
             or len(ref.grid) != 3 or len(ref.shape) != 2
         ):  # fmt: skip
             self.counters["protocol_errors"] += 1
-            self.scheduler.on_encode_failed(peer.worker_id, msg.job_id, "internal", "encoder sent an invalid entry")
+            self.scheduler.on_encode_failed(
+                peer.worker_id, msg.job_id, "internal", "encoder sent an invalid entry"
+            )
             return
         ref.node = reg.node
         ref.fetch_endpoint = reg.fetch_endpoint
         self.scheduler.on_encoded(peer.worker_id, msg.job_id, ref)
 
-    def _on_encode_failed(self, identity: bytes, peer: _Peer | None, msg: P.EncodeFailed, payload: list[Any]) -> None:
+    def _on_encode_failed(
+        self, identity: bytes, peer: _Peer | None, msg: P.EncodeFailed, payload: list[Any]
+    ) -> None:
         if self._require_worker(identity, peer):
             self.scheduler.on_encode_failed(peer.worker_id, msg.job_id, msg.code, msg.message)
 

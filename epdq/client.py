@@ -197,7 +197,9 @@ class AsyncClient:
             raise InvalidInputError("timeout must be > 0")
         if isinstance(stop, str):
             stop = [stop]
-        sampling = P.Sampling(int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()), bool(ignore_eos))
+        sampling = P.Sampling(
+            int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()), bool(ignore_eos)
+        )
         rid = uuid.uuid4().hex
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
         q: asyncio.Queue = asyncio.Queue()

@@ -84,7 +84,14 @@ class Cluster:
         assert self.log_dir is not None
         path = self.log_dir / f"{name}.log"
         out = open(path, "ab")  # noqa: SIM115 - the child owns it
-        cmd = [sys.executable, "-m", "epdq.launch", kind, msgspec.json.encode(cfg).decode(), self.spec.log_format]
+        cmd = [
+            sys.executable,
+            "-m",
+            "epdq.launch",
+            kind,
+            msgspec.json.encode(cfg).decode(),
+            self.spec.log_format,
+        ]
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent, start_new_session=True,
@@ -144,7 +151,9 @@ class Cluster:
                     if all(have[r] >= want[r] for r in want):
                         return stats
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"cluster not ready after {self.spec.start_timeout_s}s; logs in {self.log_dir}")
+                    raise TimeoutError(
+                        f"cluster not ready after {self.spec.start_timeout_s}s; logs in {self.log_dir}"
+                    )
                 await asyncio.sleep(0.25)
 
     def check_alive(self) -> None:
@@ -161,7 +170,10 @@ class Cluster:
 
     def stop(self, timeout: float = 15.0) -> None:
         # workers first, so they can say BYE and unlink their rings; the broker last
-        for group in ([c for c in self.children if c.name != "broker"], [c for c in self.children if c.name == "broker"]):
+        for group in (
+            [c for c in self.children if c.name != "broker"],
+            [c for c in self.children if c.name == "broker"],
+        ):
             for ch in group:
                 if ch.proc.poll() is None:
                     ch.proc.send_signal(signal.SIGTERM)

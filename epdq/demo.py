@@ -47,7 +47,9 @@ async def run_demo(
     all_equal = True
     try:
         async with AsyncClient(address) as c:
-            out(f"{'request':<18} {'imgs':>4} {'hits':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'enc ms':>7}  {'=colo':<5} output")
+            out(
+                f"{'request':<18} {'imgs':>4} {'hits':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'enc ms':>7}  {'=colo':<5} output"
+            )
             for name, prompt, imgs in jobs:
                 r = await c.generate(prompt, images=imgs, max_tokens=max_tokens, route="epd")
                 same = ""

@@ -230,7 +230,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ workers
 
-    def add_worker(self, worker_id: str, role: Role, node: str, capacity: int, ring_capacity: int = 0) -> None:
+    def add_worker(
+        self, worker_id: str, role: Role, node: str, capacity: int, ring_capacity: int = 0
+    ) -> None:
         if capacity < 1:
             raise InvalidInputError("worker capacity must be >= 1")
         if worker_id in self.workers:
@@ -259,7 +261,9 @@ class Scheduler:
                 if req is None or req.worker != worker_id:
                     continue
                 if req.streamed or req.attempts + 1 >= self.cfg.max_pd_attempts:
-                    self._finish(req, WorkerLostError(f"worker {worker_id} {reason} while running the request"))
+                    self._finish(
+                        req, WorkerLostError(f"worker {worker_id} {reason} while running the request")
+                    )
                 else:
                     req.attempts += 1
                     self.counters["pd_requeues"] += 1
@@ -296,7 +300,9 @@ class Scheduler:
         if route == "epd" and len(keys) != len(images):
             raise InvalidInputError("one key per image is required", request_id=rid)
         now = self.clock()
-        req = Request(rid, client, route, list(keys), list(images), now + timeout_s, payload, now, image_bytes=nbytes)
+        req = Request(
+            rid, client, route, list(keys), list(images), now + timeout_s, payload, now, image_bytes=nbytes
+        )
         self.requests[rid] = req
         self.held_image_bytes += nbytes
         self.queued += 1
@@ -469,7 +475,11 @@ class Scheduler:
     def on_evicted(self, worker_id: str, entries: list[EntryId]) -> None:
         for e in entries:
             entry = self.index.get(e.key)
-            if entry is not None and entry.ref.encoder_id == worker_id and entry.ref.generation == e.generation:
+            if (
+                entry is not None
+                and entry.ref.encoder_id == worker_id
+                and entry.ref.generation == e.generation
+            ):
                 self.counters["evictions"] += 1
                 self._drop_entry(e.key)
         self.dispatch()
@@ -533,7 +543,11 @@ class Scheduler:
         q = self._encode_queue
         while q and self._free[Role.ENCODER]:
             job = q[0]
-            if job.worker is not None or self._jobs_by_id.get(job.job_id) is not job or not self.users.get(job.key):
+            if (
+                job.worker is not None
+                or self._jobs_by_id.get(job.job_id) is not job
+                or not self.users.get(job.key)
+            ):
                 q.popleft()  # stale queue slot, or nobody needs the image any more
                 if self._jobs_by_id.get(job.job_id) is job and job.worker is None:
                     self._jobs_by_id.pop(job.job_id)

@@ -113,7 +113,9 @@ class EncoderWorker:
         images = []
         for job in batch:
             try:
-                images.append(decode_image(job.image, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels))
+                images.append(
+                    decode_image(job.image, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
+                )
                 good.append(job)
             except EpdqError as e:
                 self._fail(job, e)

@@ -167,7 +167,8 @@ class PDWorker:
                 raise InvalidInputError("a colocated worker takes images, not embeddings")
             if payload:
                 kwargs["images"] = [
-                    decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels) for f in payload
+                    decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
+                    for f in payload
                 ]
         elif msg.embeds:
             kwargs["image_embeds"], kwargs["image_grid_thw"] = await self._gather(msg.embeds)
@@ -193,8 +194,15 @@ class PDWorker:
         hidden = self.engine.hidden_size
         dtype = _DTYPES.get(refs[0].dtype)
         for r in refs:
-            if _DTYPES.get(r.dtype) is not dtype or dtype is None or len(r.shape) != 2 or r.shape[1] != hidden:
-                raise InvalidInputError(f"embedding {r.dtype}{r.shape} does not fit this model (hidden {hidden})")
+            if (
+                _DTYPES.get(r.dtype) is not dtype
+                or dtype is None
+                or len(r.shape) != 2
+                or r.shape[1] != hidden
+            ):
+                raise InvalidInputError(
+                    f"embedding {r.dtype}{r.shape} does not fit this model (hidden {hidden})"
+                )
             if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
         embeds = torch.empty((sum(r.shape[0] for r in refs), hidden), dtype=dtype)
@@ -208,7 +216,9 @@ class PDWorker:
                 out.copy_(first[ident])
                 continue
             if r.node == self.node and r.segment:
-                self.reader.read(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape), out=out)
+                self.reader.read(
+                    r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape), out=out
+                )
                 self.local_reads += 1
             else:
                 data = await self.fetcher.fetch(r)

@@ -105,7 +105,9 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
         worker.link = link
         worker.start()
         link.start()
-        log.info("encoder %s up (ring %s, %d MiB, fetch %s)", cfg.worker_id, ring.name, ring.capacity >> 20, fetch)
+        log.info(
+            "encoder %s up (ring %s, %d MiB, fetch %s)", cfg.worker_id, ring.name, ring.capacity >> 20, fetch
+        )
         loop_task = asyncio.create_task(worker.run())
         try:
             await _until(stop, loop_task)
@@ -134,7 +136,9 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
         max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels,
     )  # fmt: skip
     try:
-        reg = P.Register(cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid())
+        reg = P.Register(
+            cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid()
+        )
         link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s)
         worker.link = link
         link.start()

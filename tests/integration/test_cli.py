@@ -31,7 +31,9 @@ def test_demo_runs_and_matches_colocated():
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "cluster ready" in out and "stopping the cluster" in out
-    rows = [line for line in out.splitlines() if line.startswith(("text only", "one image", "repeated image"))]
+    rows = [
+        line for line in out.splitlines() if line.startswith(("text only", "one image", "repeated image"))
+    ]
     assert len(rows) == 3 and all(" yes " in r for r in rows), out[-4000:]
     assert "1 served from the embedding cache" in out or "served from the embedding cache" in out
 

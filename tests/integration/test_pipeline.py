@@ -114,7 +114,10 @@ async def test_concurrent_duplicates_are_encoded_once(local_cluster):
     before = await counters(addr)
     async with AsyncClient(addr) as c:
         outs = await asyncio.gather(
-            *(c.generate(f"Prompt {i}.", images=[img(51, SIZES[3])], max_tokens=4, route="epd") for i in range(4))
+            *(
+                c.generate(f"Prompt {i}.", images=[img(51, SIZES[3])], max_tokens=4, route="epd")
+                for i in range(4)
+            )
         )
     after = await counters(addr)
     assert all(o.token_ids for o in outs)
@@ -145,7 +148,9 @@ async def test_cancel_reaches_the_pd_worker(local_cluster):
         for _ in range(100):
             s = await c.stats()
             pd = [w for w in s["workers"] if w["role"] == "pd"]
-            if s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and all(w["inflight"] == 0 for w in pd):
+            if s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and all(
+                w["inflight"] == 0 for w in pd
+            ):
                 break
             await asyncio.sleep(0.05)
     assert s["counters"]["cancelled"] == before["cancelled"] + 1
@@ -207,8 +212,12 @@ async def test_cancelled_task_aborts_the_sequence(local_cluster):
     before = await counters(addr)
     async with AsyncClient(addr) as c:
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(c.generate("Keep talking.", max_tokens=2000, ignore_eos=True, route="epd"), 0.3)
-    s = await _wait_for(addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s))
+            await asyncio.wait_for(
+                c.generate("Keep talking.", max_tokens=2000, ignore_eos=True, route="epd"), 0.3
+            )
+    s = await _wait_for(
+        addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s)
+    )
     assert s["counters"]["cancelled"] == before["cancelled"] + 1
     assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)
 
@@ -244,6 +253,8 @@ async def test_client_gone_aborts_the_sequence(local_cluster, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         proc.stdout.close()
-    s = await _wait_for(addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s))
+    s = await _wait_for(
+        addr, lambda s: s["counters"]["aborts_confirmed"] > before["aborts_confirmed"] and _pd_idle(s)
+    )
     assert s["counters"]["cancelled"] == before["cancelled"] + 1
     assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)

@@ -31,5 +31,7 @@ def test_library_never_imports_the_cli():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "epdq"
-    offenders = [p for p in root.rglob("*.py") if "import typer" in p.read_text() or "from cli" in p.read_text()]
+    offenders = [
+        p for p in root.rglob("*.py") if "import typer" in p.read_text() or "from cli" in p.read_text()
+    ]
     assert not offenders

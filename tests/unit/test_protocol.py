@@ -11,7 +11,9 @@ def _submit(n_images=1):
 
 
 def test_every_message_round_trips():
-    ref = P.EmbedRef(b"k" * 16, "enc-0", "node", "seg", 64, 512, 7, "float32", [4, 32], [1, 4, 4], "tcp://h:1")
+    ref = P.EmbedRef(
+        b"k" * 16, "enc-0", "node", "seg", 64, 512, 7, "float32", [4, 32], [1, 4, 4], "tcp://h:1"
+    )
     samples = [
         _submit(0), P.Cancel("r"), P.StatsRequest(3), P.Tokens("r", [1, 2], "ab", "stop", P.Timings(0.1, 0.2, 1, 1, "epd")),
         P.Error("r", "busy", "full", 0.5), P.Stats(1, {"a": 1}, {"g": 0.5}, [P.WorkerInfo("w", "pd", "n", 4, 1)]),
