@@ -258,3 +258,41 @@ async def test_client_gone_aborts_the_sequence(local_cluster, tmp_path):
     )
     assert s["counters"]["cancelled"] == before["cancelled"] + 1
     assert s["counters"]["aborts_confirmed"] == before["aborts_confirmed"] + 1 and _pd_idle(s)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+        + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND"))
+    )  # fmt: skip
+
+
+async def test_oversized_images_are_typed_errors(local_cluster):
+    async with AsyncClient(local_cluster.address) as c:
+        with pytest.raises(InvalidInputError, match="pixel|large|bomb|dimension"):
+            await c.generate("bomb", images=[_png_header_only(60_000, 60_000)], route="epd")
+        with pytest.raises(InvalidInputError):
+            await c.generate("huge file", images=[b"\x89PNG\r\n\x1a\n" + b"\0" * (21 * 2**20)], route="epd")
+        ok = await c.generate("fine", images=[img(91)], max_tokens=3, route="epd")
+    assert ok.token_ids
+
+
+async def test_image_as_path_bytes_or_pil_is_the_same_request(local_cluster, tmp_path):
+    from PIL import Image
+
+    data = img(95, SIZES[1])
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    pil = Image.open(path)
+    pil.load()
+    async with AsyncClient(local_cluster.address) as c:
+        outs = [
+            await c.generate("Same?", images=[im], max_tokens=MAX_TOKENS, route="epd") for im in (data, path, str(path), pil)
+        ]
+    assert all(o.token_ids == outs[0].token_ids for o in outs)
