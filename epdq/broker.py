@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,8 @@ class BrokerConfig:
     heartbeat_s: float = 1.0
     liveness: int = 5  # heartbeats a worker may miss before it is declared dead
     busy_retry_after_s: float = 0.5
+    client_liveness_s: float = 10.0  # a client with live requests silent this long is gone
+    encode_lease_s: float = 60.0  # an encode job not finished in this time is re-queued
     scope: str = ""  # cache-key scope; adopted from the first encoder when empty
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class BrokerConfig:
             raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
         if self.heartbeat_s <= 0 or self.liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+        if self.client_liveness_s <= 0 or self.encode_lease_s <= 0:
+            raise ValueError("client_liveness_s and encode_lease_s must be > 0")
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class _Peer:
     scope: str
     last_seen: float
     register: P.Register
+    beat: P.Heartbeat | None = None
 
 
 class Broker:
@@ -84,12 +90,15 @@ class Broker:
                 max_held_image_bytes=self.cfg.max_held_image_bytes,
                 busy_retry_after_s=self.cfg.busy_retry_after_s,
                 max_timeout_s=self.cfg.max_timeout_s,
+                encode_lease_s=self.cfg.encode_lease_s,
             )
         )
+        self.broker_id = uuid.uuid4().hex
         self.scope = self.cfg.scope
         self.workers: dict[bytes, _Peer] = {}  # by socket identity
         self._by_id: dict[str, _Peer] = {}
         self._clients: dict[bytes, set[str]] = {}  # client identity -> live request ids
+        self._client_seen: dict[bytes, float] = {}
         self.counters = {"protocol_errors": 0, "messages_in": 0, "invalid_requests": 0}
         self.channel: Channel | None = None
         self.endpoint = ""
@@ -137,13 +146,23 @@ class Broker:
             if now - last_hb >= self.cfg.heartbeat_s:
                 last_hb = now
                 dead = now - self.cfg.heartbeat_s * self.cfg.liveness
+                self._expire_clients(now)
                 for peer in list(self.workers.values()):
                     if peer.last_seen < dead:
                         log.warning("worker %s missed %d heartbeats", peer.worker_id, self.cfg.liveness)
                         self._drop_worker(peer, "missed heartbeats")
-                    else:
-                        self._send_raw(peer.identity, hb)
+                    elif not self._send_raw(peer.identity, hb):
+                        self._drop_worker(peer, "unreachable (disconnected)")
             self._flush()
+
+    def _expire_clients(self, now: float) -> None:
+        gone = now - self.cfg.client_liveness_s
+        for client in [c for c in self._clients if self._client_seen.get(c, now) < gone]:
+            rids = self._clients.pop(client)
+            self._client_seen.pop(client, None)
+            log.warning("client silent for %.0fs: cancelling its %d requests", self.cfg.client_liveness_s, len(rids))
+            for rid in rids:
+                self.scheduler.cancel(rid, client)
 
     # ------------------------------------------------------------ receive
 
@@ -158,7 +177,9 @@ class Broker:
             return
         identity = bytes(frames[0])
         try:
-            msg, payload = P.decode(frames[1:], max_payload_frames=self.cfg.max_images_per_request)
+            # the frame cap is the protocol's hard limit; the configured image limit is a typed
+            # answer to the client in _validate_submit
+            msg, payload = P.decode(frames[1:], max_payload_frames=P.MAX_PAYLOAD_FRAMES)
         except ProtocolError as e:
             self.counters["protocol_errors"] += 1
             log.debug("rejected message from %r: %s", identity[:16], e)
@@ -166,6 +187,8 @@ class Broker:
         peer = self.workers.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
+        elif identity in self._clients:
+            self._client_seen[identity] = time.monotonic()
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             self.counters["protocol_errors"] += 1
@@ -188,10 +211,13 @@ class Broker:
             self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
             return
         self._clients.setdefault(identity, set()).add(rid)
+        self._client_seen[identity] = time.monotonic()
 
     def _validate_submit(self, msg: P.Submit, payload: list[Any]) -> None:
         if not 1 <= len(msg.request_id) <= 128:
             raise InvalidInputError("request_id must be 1..128 characters")
+        if msg.n_images > self.cfg.max_images_per_request:
+            raise InvalidInputError(f"{msg.n_images} images (limit {self.cfg.max_images_per_request} per request)")
         try:
             P.validate_messages(msg.messages, msg.n_images)
         except ProtocolError as e:
@@ -217,6 +243,9 @@ class Broker:
     def _on_cancel(self, identity: bytes, peer: _Peer | None, msg: P.Cancel, payload: list[Any]) -> None:
         self.scheduler.cancel(msg.request_id, identity)
 
+    def _on_ping(self, identity: bytes, peer: _Peer | None, msg: P.Ping, payload: list[Any]) -> None:
+        self._send(identity, P.Pong(msg.nonce, self.broker_id))
+
     def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:
         self._send(identity, self.stats(msg.nonce))
 
@@ -233,6 +262,7 @@ class Broker:
             )
         gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
         gauges["uptime_s"] = time.monotonic() - self.started_at
+        gauges["clients"] = float(len(self._clients))
         return P.Stats(nonce, counters, gauges, workers)
 
     # worker messages
@@ -402,6 +432,7 @@ class Broker:
             live.discard(rid)
             if not live:
                 del self._clients[client]
+                self._client_seen.pop(client, None)
 
 
 def _timings(req: Request) -> P.Timings:
@@ -419,6 +450,7 @@ _HANDLERS = {
     P.Submit: Broker._on_submit,
     P.Cancel: Broker._on_cancel,
     P.StatsRequest: Broker._on_stats,
+    P.Ping: Broker._on_ping,
     P.Register: Broker._on_register,
     P.Heartbeat: Broker._on_heartbeat,
     P.Bye: Broker._on_bye,

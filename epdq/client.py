@@ -65,9 +65,17 @@ class GenerateResult:
 class AsyncClient:
     """`async with AsyncClient("tcp://127.0.0.1:7700") as c: r = await c.generate("hi")`."""
 
-    def __init__(self, address: str, *, timeout: float = 120.0, ctx: zmq.Context | None = None):
-        if timeout <= 0:
-            raise ValueError("timeout must be > 0")
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 120.0,
+        heartbeat_s: float = 1.0,
+        liveness: int = 5,
+        ctx: zmq.Context | None = None,
+    ):
+        if timeout <= 0 or heartbeat_s <= 0 or liveness < 1:
+            raise ValueError("timeout and heartbeat_s must be > 0, liveness >= 1")
         self.address = address
         self.timeout = timeout
         self._ctx = ctx or zmq.Context.instance()
@@ -75,6 +83,12 @@ class AsyncClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count(1)
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self._last_heard = 0.0
+        self._broker_id: str | None = None
+        self._pinger: asyncio.Task | None = None
+        self.reconnects = 0
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -86,12 +100,52 @@ class AsyncClient:
     async def connect(self) -> None:
         if self._channel is not None:
             return
+        self._open()
+        self._ping()  # learn the broker's instance id now, so a restart is recognised later
+        self._pinger = asyncio.create_task(self._watch_broker())
+
+    def _ping(self) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.send(P.encode(P.Ping(next(self._nonce))))
+            except zmq.ZMQError:
+                pass
+
+    def _open(self) -> None:
         sock = make_socket(self._ctx, zmq.DEALER, connect=self.address)
         self._channel = Channel(sock, self._on_frames)
         self._channel.start()
+        self._last_heard = time.monotonic()
+
+    async def _watch_broker(self) -> None:
+        """While requests are in flight, ping; a silent or restarted broker fails them (typed)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            ch = self._channel
+            if ch is None:
+                return
+            if not self._streams:
+                self._last_heard = time.monotonic()
+                continue
+            silent = time.monotonic() - self._last_heard
+            if silent > self.heartbeat_s * self.liveness:
+                self._fail_all(BrokerUnavailableError(f"broker {self.address} silent for {silent:.1f}s"))
+                # a fresh socket (new identity) for later requests; ZeroMQ reconnects by itself
+                ch.close()
+                self.reconnects += 1
+                self._open()
+                continue
+            self._ping()
+
+    def _fail_all(self, err: BrokerUnavailableError) -> None:
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(BrokerUnavailableError(err.message, request_id=rid))
 
     async def close(self) -> None:
         ch, self._channel = self._channel, None
+        if self._pinger is not None:
+            self._pinger.cancel()
+            self._pinger = None
         if ch is None:
             return
         for rid in list(self._streams):
@@ -110,7 +164,12 @@ class AsyncClient:
             msg, _ = P.decode(frames)
         except ProtocolError:
             return  # a broker never sends these; ignore rather than fail an unrelated request
-        if isinstance(msg, (P.Tokens, P.Error)):
+        self._last_heard = time.monotonic()
+        if isinstance(msg, P.Pong):
+            if self._broker_id is not None and msg.broker_id != self._broker_id:
+                self._fail_all(BrokerUnavailableError("the broker restarted; in-flight requests were lost"))
+            self._broker_id = msg.broker_id
+        elif isinstance(msg, (P.Tokens, P.Error)):
             q = self._streams.get(msg.request_id)
             if q is not None:
                 q.put_nowait(msg)
@@ -161,11 +220,7 @@ class AsyncClient:
             raise BrokerUnavailableError(f"no answer from {self.address} within {timeout}s") from None
         finally:
             self._stats_waiters.pop(nonce, None)
-        workers = [
-            {"worker_id": w.worker_id, "role": w.role, "node": w.node, "capacity": w.capacity,
-             "inflight": w.inflight, "ring_capacity": w.ring_capacity}
-            for w in s.workers
-        ]  # fmt: skip
+        workers = [{f: getattr(w, f) for f in w.__struct_fields__} for w in s.workers]
         return {"counters": dict(s.counters), "gauges": dict(s.gauges), "workers": workers}
 
     # ------------------------------------------------------------ internals
@@ -192,6 +247,8 @@ class AsyncClient:
     ) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()
         chat, blobs = build_messages(prompt, images, messages)
+        if len(blobs) > P.MAX_PAYLOAD_FRAMES:
+            raise InvalidInputError(f"{len(blobs)} images; the protocol carries at most {P.MAX_PAYLOAD_FRAMES}")
         timeout = self.timeout if timeout is None else float(timeout)
         if timeout <= 0:
             raise InvalidInputError("timeout must be > 0")

@@ -79,6 +79,7 @@ class Cluster:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.address = spec.address
+        self._broker_cfg: BrokerConfig | None = None
 
     def _spawn(self, name: str, kind: str, cfg: object) -> Child:
         assert self.log_dir is not None
@@ -120,10 +121,11 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
         bcfg = dataclasses.replace(bcfg, address=self.address)
+        self._broker_cfg = bcfg
         say(f"starting broker on {self.address}")
         self._spawn("broker", "broker", bcfg)
         want = {"encoder": self.spec.encoders, "pd": self.spec.pds, "both": self.spec.both}
-        if self.spec.model == "" and any(want.values()):
+        if self.spec.model == "" and self.spec.worker_defaults.get("engine", "auto") == "auto":
             from epdq.models.tiny import default_model_dir
 
             say("preparing the embedded tiny model")
@@ -155,6 +157,17 @@ class Cluster:
                         f"cluster not ready after {self.spec.start_timeout_s}s; logs in {self.log_dir}"
                     )
                 await asyncio.sleep(0.25)
+
+    def restart_broker(self, *, kill: bool = True) -> None:
+        """Stop the broker (SIGKILL by default) and start a new one at the same address."""
+        old = self.child("broker")
+        if kill:
+            kill_child(old)
+        else:
+            old.proc.terminate()
+            old.proc.wait(15)
+        self.children.remove(old)
+        self._spawn("broker", "broker", self._broker_cfg)
 
     def check_alive(self) -> None:
         for ch in self.children:

@@ -23,6 +23,7 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
+MAX_PAYLOAD_FRAMES = 64
 
 
 class MsgType(IntEnum):
@@ -30,10 +31,12 @@ class MsgType(IntEnum):
     SUBMIT = 1
     CANCEL = 2
     STATS_REQUEST = 3
+    PING = 4
     # broker -> client
     TOKENS = 10
     ERROR = 11
     STATS = 12
+    PONG = 13
     # worker <-> broker
     REGISTER = 20
     REGISTERED = 21
@@ -113,6 +116,15 @@ class StatsRequest(_S):
     nonce: int = 0
 
 
+class Ping(_S):
+    nonce: int = 0
+
+
+class Pong(_S):
+    nonce: int
+    broker_id: str  # random per broker process: a change means the broker restarted
+
+
 class Tokens(_S):
     request_id: str
     token_ids: list[int]
@@ -135,6 +147,9 @@ class WorkerInfo(_S):
     capacity: int
     inflight: int
     ring_capacity: int = 0
+    ring_used: int = 0
+    ring_pinned: int = 0
+    ring_entries: int = 0
 
 
 class Stats(_S):
@@ -167,7 +182,10 @@ class Registered(_S):
 
 
 class Heartbeat(_S):
-    pass
+    # encoders report their ring so operators (and the soak test) can see occupancy
+    ring_used: int = 0
+    ring_pinned: int = 0
+    ring_entries: int = 0
 
 
 class Bye(_S):
@@ -265,6 +283,8 @@ SCHEMAS: dict[MsgType, type[_S]] = {
     MsgType.SUBMIT: Submit,
     MsgType.CANCEL: Cancel,
     MsgType.STATS_REQUEST: StatsRequest,
+    MsgType.PING: Ping,
+    MsgType.PONG: Pong,
     MsgType.TOKENS: Tokens,
     MsgType.ERROR: Error,
     MsgType.STATS: Stats,
@@ -308,7 +328,7 @@ def payload_count(msg: _S) -> int:
     return 0
 
 
-def decode(frames: list[Any], *, max_payload_frames: int = 64) -> tuple[_S, list[Any]]:
+def decode(frames: list[Any], *, max_payload_frames: int = MAX_PAYLOAD_FRAMES) -> tuple[_S, list[Any]]:
     """Decode `[type, header, *payload]` (identity already stripped) into (struct, payload).
 
     Raises ProtocolError for anything that does not match the schema exactly.

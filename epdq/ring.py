@@ -191,6 +191,17 @@ class RingWriter:
                 self._evict(e)
             return len(victims)
 
+    def clear(self) -> int:
+        """Drop every entry, pinned or not (the broker that pinned them is gone); not reported."""
+        with self._lock:
+            victims = list(self._space.order)
+            for e in victims:
+                if e.pinned:
+                    self._space.set_pinned(e, False)
+                self._evict(e, report=False)
+            self._evicted.clear()
+            return len(victims)
+
     def read_bytes(self, offset: int, nbytes: int, key: bytes, generation: int) -> bytes:
         """Copy an entry out for a fetch from another node; StaleEmbeddingError if it changed."""
         _check_key(key, ProtocolError)  # these come from another node's message

@@ -53,12 +53,15 @@ class SchedulerConfig:
     busy_retry_after_s: float = 0.5
     max_timeout_s: float = 3600.0
     locality_scan: int = 64  # free PD workers examined for one on the embeddings' node
+    encode_lease_s: float = 60.0  # an encoder holding a job longer than this loses it
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:
             raise ValueError("max_queued_requests and max_held_image_bytes must be >= 1")
         if self.max_encode_attempts < 1 or self.max_pd_attempts < 1:
             raise ValueError("attempt caps must be >= 1")
+        if self.encode_lease_s <= 0:
+            raise ValueError("encode_lease_s must be > 0")
         if self.busy_retry_after_s < 0 or self.max_timeout_s <= 0:
             raise ValueError("retry hint must be >= 0 and max timeout > 0")
 
@@ -161,7 +164,7 @@ COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
     "cache_hits", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
-    "local_handoffs", "remote_handoffs", "aborts_confirmed",
+    "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired",
 )  # fmt: skip
 
 
@@ -179,6 +182,7 @@ class Scheduler:
         self._ready: dict[str, deque[str]] = {"epd": deque(), "colocated": deque()}
         self.users: dict[bytes, set[str]] = {}  # key -> live EPD requests referencing it
         self._deadlines: list[tuple[float, str]] = []
+        self._leases: list[tuple[float, int, int]] = []  # (expiry, job id, attempt)
         self._next_job = 1
         self._actions: list[Action] = []
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -410,9 +414,18 @@ class Scheduler:
             if req is not None and req.deadline <= now:
                 self.counters["deadline_exceeded"] += 1
                 self._finish(req, DeadlineExceededError(f"deadline passed while {req.state.value}"))
-        if self._actions:
-            self.dispatch()
-        return self._deadlines[0][0] if self._deadlines else None
+        while self._leases and self._leases[0][0] <= now:
+            _, job_id, attempt = heapq.heappop(self._leases)
+            job = self._jobs_by_id.get(job_id)
+            if job is not None and job.worker is not None and job.attempts == attempt:
+                # the encoder is alive but stuck: its slot stays taken until it answers
+                self.counters["leases_expired"] += 1
+                worker = job.worker
+                job.worker = None
+                self._retry_encode(job, WorkerLostError(f"encoder {worker} held the job past its lease"))
+        self.dispatch()
+        nxt = [h[0][0] for h in (self._deadlines, self._leases) if h]
+        return min(nxt) if nxt else None
 
     # ------------------------------------------------------------ encoder events
 
@@ -559,6 +572,7 @@ class Scheduler:
             q.popleft()
             job.worker = w.worker_id
             job.attempts += 1
+            heapq.heappush(self._leases, (self.clock() + self.cfg.encode_lease_s, job.job_id, job.attempts))
             self._take_slot(w, job.job_id)
             self._emit(SendEncode(w.worker_id, job))
         self._dispatch_ready("epd", Role.PD)

@@ -54,6 +54,8 @@ def make_socket(
         if bind is not None:
             _prepare_ipc(bind)
             sock.bind(bind)
+            if bind.startswith("ipc://") and not bind.startswith("ipc://@"):  # @ = abstract namespace
+                os.chmod(bind[len("ipc://") :], 0o600)
         if connect is not None:
             sock.connect(connect)
     except BaseException:
@@ -67,6 +69,8 @@ def _prepare_ipc(address: str) -> None:
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://") :]
+    if path.startswith("@"):
+        return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, mode=0o700, exist_ok=True)
 

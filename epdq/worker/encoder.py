@@ -75,6 +75,17 @@ class EncoderWorker:
 
     # ------------------------------------------------------------ broker messages
 
+    def heartbeat(self) -> P.Heartbeat:
+        return P.Heartbeat(self.ring.used_bytes, self.ring.pinned_bytes, self.ring.entry_count)
+
+    def on_registered(self, again: bool) -> None:
+        if again:
+            # a new broker (or one that dropped us) knows none of our entries or jobs
+            dropped = self.ring.clear()
+            self._jobs.clear()
+            self._blocked.clear()
+            log.info("re-registered: dropped %d ring entries and pending jobs", dropped)
+
     def handle(self, msg: Any, payload: list[Any]) -> None:
         if isinstance(msg, P.Encode):
             self._jobs.append(_Job(msg.job_id, msg.key, payload[0]))

@@ -33,10 +33,17 @@ class BrokerLink:
         liveness: int = 5,
         ctx: zmq.Context | None = None,
         max_message_bytes: int = 64 * 2**20,
+        on_registered: Callable[[bool], None] | None = None,
+        heartbeat: Callable[[], P.Heartbeat] | None = None,
     ) -> None:
         self.address = address
         self.register = register
         self._handler = handler
+        # called with again=True when the broker accepted us anew: it holds none of our old work
+        self._on_registered = on_registered
+        self.registrations = 0
+        self._make_heartbeat = heartbeat or P.Heartbeat
+        self.rejected = 0  # malformed messages received
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self._ctx = ctx or zmq.Context.instance()
@@ -67,13 +74,17 @@ class BrokerLink:
         try:
             msg, payload = P.decode(frames, max_payload_frames=64)
         except ProtocolError as e:
+            self.rejected += 1
             log.warning("ignored a malformed message from the broker: %s", e)
             return
         self._last_heard = time.monotonic()
         if isinstance(msg, P.Registered):
             self.heartbeat_s = msg.heartbeat_s
             self.registered.set()
+            self.registrations += 1
             log.info("registered with broker %s as %s", self.address, self.register.worker_id)
+            if self._on_registered is not None:
+                self._on_registered(self.registrations > 1)
         elif isinstance(msg, P.Bye):
             log.warning("broker said bye (%s); registering again", msg.reason)
             self.registered.clear()
@@ -81,7 +92,11 @@ class BrokerLink:
         elif isinstance(msg, P.Heartbeat):
             pass
         else:
-            self._handler(msg, payload)
+            try:
+                self._handler(msg, payload)
+            except Exception:
+                self.rejected += 1
+                log.exception("failed to handle %s from the broker", type(msg).__name__)
 
     async def _beat(self) -> None:
         backoff = self.heartbeat_s
@@ -97,7 +112,7 @@ class BrokerLink:
                 self._connect()
                 continue
             backoff = self.heartbeat_s
-            self.send(P.Heartbeat())
+            self.send(self._make_heartbeat())
 
     def send(self, msg: Any, payload: list[Any] = (), *, copy: bool = True) -> None:
         if self._channel is None or self._channel.closed:

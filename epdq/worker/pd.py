@@ -114,6 +114,12 @@ class PDWorker:
         self.local_reads = 0
         self.remote_reads = 0
 
+    def on_registered(self, again: bool) -> None:
+        if again:
+            # the broker that sent these requests is gone or forgot us: nobody waits for them
+            for t in list(self._tasks.values()):
+                t.cancel()
+
     def handle(self, msg: Any, payload: list[Any]) -> None:
         if isinstance(msg, P.Prefill):
             if msg.request_id in self._tasks:

@@ -36,6 +36,10 @@ class WorkerConfig:
     max_images_per_prompt: int = 8
     heartbeat_s: float = 1.0
     threads: int = 1  # torch intra-op threads of an encoder (vLLM engines set their own)
+    engine: str = "auto"  # "auto": transformers vision tower / vLLM; "noop": no model (tests, benchmarks)
+    noop_encode_s: float = 0.0  # noop engine: seconds per image encoded
+    noop_prefill_s: float = 0.0  # noop engine: seconds per prefill
+    noop_token_s: float = 0.0  # noop engine: seconds per output token
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,6 +52,10 @@ class WorkerConfig:
             self.capacity = 8 if self.role == "encoder" else 16
         if self.ring_bytes < 2**20:
             raise ValueError("ring_bytes must be >= 1 MiB")
+        if self.engine not in ("auto", "noop"):
+            raise ValueError(f"engine must be auto or noop, got {self.engine!r}")
+        if min(self.noop_encode_s, self.noop_prefill_s, self.noop_token_s) < 0:
+            raise ValueError("noop delays must be >= 0")
         if not 1 <= self.threads <= 1024:
             raise ValueError("threads must be in [1, 1024]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -70,7 +78,7 @@ def resolve_model(model: str) -> str:
 
 async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set or the task is cancelled."""
-    model = resolve_model(cfg.model)
+    model = resolve_model(cfg.model) if cfg.engine == "auto" else "noop"
     stop = stop or asyncio.Event()
     if cfg.role == "encoder":
         await _run_encoder(cfg, model, stop)
@@ -81,7 +89,6 @@ async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) ->
 async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
     import torch
 
-    from epdq.engines.vision import HFVisionEncoder
     from epdq.ring import RingWriter, cleanup_stale_segments
     from epdq.worker.encoder import EncoderWorker
 
@@ -89,7 +96,14 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by dead processes", len(removed))
-    engine = await asyncio.to_thread(HFVisionEncoder, model, dtype=cfg.dtype)
+    if cfg.engine == "noop":
+        from epdq.engines.noop import NoopVisionEngine
+
+        engine = NoopVisionEngine(cost_s=cfg.noop_encode_s)
+    else:
+        from epdq.engines.vision import HFVisionEncoder
+
+        engine = await asyncio.to_thread(HFVisionEncoder, model, dtype=cfg.dtype)
     ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
     worker = EncoderWorker(
         engine, ring, worker_id=cfg.worker_id, node=cfg.node, max_image_bytes=cfg.max_image_bytes,
@@ -101,7 +115,10 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
             cfg.worker_id, "encoder", cfg.node, cfg.capacity, engine.scope, os.path.basename(model), os.getpid(),
             ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch,
         )  # fmt: skip
-        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s)
+        link = BrokerLink(
+            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
+            heartbeat=worker.heartbeat,
+        )  # fmt: skip
         worker.link = link
         worker.start()
         link.start()
@@ -122,14 +139,21 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
 
 
 async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
-    from epdq.engines.vllm_engine import VllmEngine
     from epdq.worker.pd import PDWorker
 
     colocated = cfg.role == "both"
-    engine = VllmEngine(
-        model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes, max_images_per_prompt=cfg.max_images_per_prompt,
-    )  # fmt: skip
+    if cfg.engine == "noop":
+        from epdq.engines.noop import NoopPDEngine
+
+        engine = NoopPDEngine(prefill_s=cfg.noop_prefill_s, token_s=cfg.noop_token_s)
+    else:
+        from epdq.engines.vllm_engine import VllmEngine
+
+        engine = VllmEngine(
+            model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes,
+            max_images_per_prompt=cfg.max_images_per_prompt,
+        )  # fmt: skip
     await engine.start()
     worker = PDWorker(
         engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
@@ -139,7 +163,7 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
         reg = P.Register(
             cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid()
         )
-        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s)
+        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered)
         worker.link = link
         link.start()
         log.info("%s worker %s up", cfg.role, cfg.worker_id)

@@ -591,3 +591,14 @@ RingMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_ring_machine = RingMachine.TestCase
+
+
+def test_clear_drops_pinned_and_unpinned_entries():
+    with RingWriter(MIN_CAPACITY) as w:
+        a = w.write(b"a" * 16, torch.zeros(64))
+        w.write(b"b" * 16, torch.ones(64))
+        w.unpin(b"b" * 16, w.lookup(b"b" * 16).generation)
+        assert w.clear() == 2
+        assert w.entry_count == 0 and w.used_bytes == 0 and w.drain_evicted() == []
+        assert w.lookup(b"a" * 16) is None and a is not None
+        assert w.write(b"c" * 16, torch.zeros(64)) is not None

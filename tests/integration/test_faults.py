@@ -1,0 +1,158 @@
+"""Faults, overload and restarts with real processes and sockets, on no-op engines.
+
+No-op engines run the real worker, ring and broker code with no model behind them, so these
+tests take seconds. The chaos test with the real model lives in test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import time
+
+import pytest
+
+from epdq import AsyncClient, BrokerUnavailableError, BusyError, InvalidInputError
+from epdq.broker import BrokerConfig
+from epdq.cluster import Cluster, ClusterSpec, kill_child
+from epdq.demo import demo_image
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def noop_spec(tmp_path, **kw) -> ClusterSpec:
+    defaults = dict(
+        address=f"ipc://{tmp_path}/sock/broker", encoders=1, pds=1, log_dir=str(tmp_path / "logs"),
+        worker_defaults={"engine": "noop"}, start_timeout_s=60,
+    )  # fmt: skip
+    defaults.update(kw)
+    return ClusterSpec(**defaults)
+
+
+async def wait_stats(addr: str, pred, timeout: float = 20.0) -> dict:
+    async with AsyncClient(addr) as c:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                s = await c.stats(timeout=1.0)
+                if pred(s):
+                    return s
+            except BrokerUnavailableError:
+                s = None
+            if time.monotonic() > end:
+                raise AssertionError(f"condition not met within {timeout}s; last stats: {s}")
+            await asyncio.sleep(0.05)
+
+
+async def test_backpressure_gate_answers_busy(tmp_path):
+    """Capacity 1, queue 1: one request runs, one waits, the rest get a typed busy answer."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(max_queued_requests=1, busy_retry_after_s=0.25),
+        worker_defaults={"engine": "noop", "capacity": 1, "noop_token_s": 30.0},
+    )  # fmt: skip
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        running = asyncio.create_task(c.generate("gate", max_tokens=1))
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+        queued = asyncio.create_task(c.generate("queued", max_tokens=1))
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_queued"] == 1)
+        for _ in range(3):
+            with pytest.raises(BusyError) as ei:
+                await c.generate("more", max_tokens=1)
+            assert ei.value.retry_after == 0.25
+        s = await c.stats()
+        assert s["counters"]["busy_rejections"] == 3
+        running.cancel()
+        queued.cancel()
+        await asyncio.gather(running, queued, return_exceptions=True)
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0)
+
+
+async def test_too_many_images_is_a_typed_error(tmp_path):
+    async with Cluster(noop_spec(tmp_path)) as cluster, AsyncClient(cluster.address) as c:
+        with pytest.raises(InvalidInputError, match="limit 8"):
+            await c.generate("x", images=[demo_image(1, (64, 64))] * 9)
+        with pytest.raises(InvalidInputError, match="empty"):
+            await c.generate("x", images=[b""])
+        ok = await c.generate("x", images=[demo_image(1, (64, 64))] * 8, max_tokens=2)
+        assert len(ok.token_ids) == 2
+
+
+async def test_broker_restart(tmp_path):
+    """In-flight requests fail typed; workers re-register with the new broker; new requests work."""
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.2, "heartbeat_s": 0.5})
+    async with Cluster(spec) as cluster:
+        async with AsyncClient(cluster.address, heartbeat_s=0.2, liveness=5) as c:
+            inflight = asyncio.create_task(c.generate("long", images=[demo_image(2, (64, 64))], max_tokens=200))
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+            t0 = time.monotonic()
+            cluster.restart_broker(kill=True)
+            with pytest.raises(BrokerUnavailableError):
+                await inflight
+            assert time.monotonic() - t0 < 10
+            await wait_stats(cluster.address, lambda s: s["gauges"]["workers_encoder"] == 1 and s["gauges"]["workers_pd"] == 1)
+            r = await c.generate("after restart", images=[demo_image(3, (64, 64))], max_tokens=3)
+            assert len(r.token_ids) == 3 and r.timings.route == "epd"
+
+
+async def test_dead_encoder_jobs_are_requeued(tmp_path):
+    spec = noop_spec(tmp_path, encoders=2, worker_defaults={"engine": "noop", "noop_encode_s": 0.3})
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        tasks = [asyncio.create_task(c.generate(f"r{i}", images=[demo_image(10 + i, (64, 64))], max_tokens=2))
+                 for i in range(8)]  # fmt: skip
+        await wait_stats(cluster.address, lambda s: s["gauges"]["encodes_inflight"] >= 2)
+        kill_child(cluster.child("encoder-0"))
+        results = await asyncio.gather(*tasks)
+        assert all(len(r.token_ids) == 2 for r in results)
+        s = await c.stats()
+        assert s["counters"]["workers_lost"] >= 1 and s["gauges"]["workers_encoder"] == 1
+
+
+async def test_dead_pd_before_streaming_is_requeued_after_is_typed(tmp_path):
+    spec = noop_spec(tmp_path, pds=2, worker_defaults={"engine": "noop", "noop_prefill_s": 2.0, "capacity": 4})
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        tasks = [asyncio.create_task(c.generate(f"r{i}", max_tokens=2)) for i in range(4)]
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 4)
+        victim = next(w["worker_id"] for w in (await c.stats())["workers"] if w["role"] == "pd" and w["inflight"])
+        kill_child(cluster.child(victim))
+        results = await asyncio.gather(*tasks)  # nothing had streamed: every one is re-queued
+        assert all(len(r.token_ids) == 2 for r in results)
+        assert (await c.stats())["counters"]["pd_requeues"] >= 1
+
+
+def _segments() -> set[str]:
+    return set(glob.glob(f"/dev/shm/epdq-{os.getuid()}-*"))
+
+
+@pytest.mark.slow
+async def test_soak_ring_returns_to_baseline_and_nothing_leaks(tmp_path):
+    n = int(os.environ.get("EPDQ_SOAK_REQUESTS", "400"))
+    before = _segments()
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "ring_bytes": 2**20, "heartbeat_s": 0.2})
+    async with Cluster(spec) as cluster:
+        async with AsyncClient(cluster.address) as c:
+            sem = asyncio.Semaphore(16)
+
+            async def one(i: int) -> None:
+                async with sem:
+                    # 64 distinct images: repeats hit the cache, the small ring forces evictions
+                    await c.generate("soak", images=[demo_image(i % 64, (224, 224))], max_tokens=2)
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+            s = await wait_stats(
+                cluster.address,
+                lambda s: all(w["ring_pinned"] == 0 for w in s["workers"] if w["role"] == "encoder")
+                and s["gauges"]["index_pinned"] == 0,
+            )
+            enc = next(w for w in s["workers"] if w["role"] == "encoder")
+            assert enc["ring_used"] <= enc["ring_capacity"]
+            assert s["counters"]["requests_completed"] == n and s["counters"]["evictions"] > 0
+            assert s["gauges"]["requests_queued"] == 0 and s["gauges"]["held_image_bytes"] == 0
+        during = _segments() - before
+        assert len(during) == 1  # the encoder's ring
+        stat = os.stat(next(iter(during)))
+        assert stat.st_mode & 0o777 == 0o600
+        sock_dir = tmp_path / "sock"
+        assert (sock_dir.stat().st_mode & 0o777) == 0o700
+        assert (sock_dir / "broker").stat().st_mode & 0o777 == 0o600
+    assert _segments() - before == set()
