@@ -9,11 +9,15 @@ from pathlib import Path
 
 import typer
 
+from epdq.errors import EpdqError
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ."
 )
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+KEYS_HELP = "CURVE keys directory (default: $EPDQ_HOME/keys, made by `epdq up` / `epdq keygen`)."
+INSECURE_HELP = "Plaintext tcp instead of CURVE (loopback addresses only)."
 
 
 def _run(coro):
@@ -29,6 +33,8 @@ def broker(
     max_images: int = typer.Option(8, help="Images allowed per request."),
     max_image_mb: float = typer.Option(20.0, help="Largest image file accepted, MiB."),
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
 ) -> None:
     """Run the broker."""
@@ -39,7 +45,7 @@ def broker(
     setup_logging("info", log_format)
     cfg = BrokerConfig(
         address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
-        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout,
+        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, keys_dir=keys_dir, insecure=insecure,
     )  # fmt: skip
     _run(serve_broker(cfg))
 
@@ -57,6 +63,9 @@ def worker(
         "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
     ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
+    engine: str = typer.Option("auto", help="auto (transformers vision tower / vLLM) or noop (no model)."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
 ) -> None:
     """Run one worker."""
@@ -67,7 +76,7 @@ def worker(
     setup_logging("info", log_format)
     cfg = WorkerConfig(
         role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype,
-        fetch_bind=fetch_bind, threads=threads,
+        fetch_bind=fetch_bind, threads=threads, engine=engine, keys_dir=keys_dir, insecure=insecure,
     )  # fmt: skip
     _run(serve_worker(cfg))
 
@@ -83,19 +92,26 @@ def up(
     both: int = typer.Option(0, help="Colocated workers to run beside the disaggregated ones."),
     model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
     log_dir: str = typer.Option("", help="Where child logs go (default: a temporary directory)."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
 ) -> None:
     """Start broker + workers on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
 
     if colocated:
         encoders, pds, both = 0, 0, max(pds, 1) + both
-    spec = ClusterSpec(address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir)
+    spec = ClusterSpec(
+        address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir, keys_dir=keys_dir,
+        insecure=insecure,
+    )  # fmt: skip
     cluster = Cluster(spec)
 
     async def main() -> None:
         try:
             await cluster.start(progress=lambda m: typer.echo(f"  {m}"))
             typer.echo(f"\nepdq is up. Connect to {address}   (logs: {cluster.log_dir})")
+            if cluster.keys_dir:
+                typer.echo(f"  CURVE keys: {cluster.keys_dir} (clients use client.key_secret and broker.key)")
             typer.echo(f'  epdq generate "Describe this." --image photo.png --address {address}')
             typer.echo("Ctrl-C stops everything.")
             while True:
@@ -123,13 +139,15 @@ def generate(
     timeout: float = typer.Option(120.0),
     stream: bool = typer.Option(True, help="Print tokens as they arrive."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
 ) -> None:
     """Send one request and print the answer."""
     from epdq.client import AsyncClient
     from epdq.errors import EpdqError
 
     async def main() -> int:
-        async with AsyncClient(address, timeout=timeout) as c:
+        async with AsyncClient(address, timeout=timeout, keys_dir=keys_dir, insecure=insecure) as c:
             kw = dict(images=image, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
             if stream and not as_json:
                 async for d in c.stream(prompt, **kw):
@@ -186,19 +204,40 @@ def make_model(
 
 
 @app.command()
-def stats(address: str = typer.Argument(DEFAULT_ADDRESS), timeout: float = typer.Option(5.0)) -> None:
+def stats(
+    address: str = typer.Argument(DEFAULT_ADDRESS),
+    timeout: float = typer.Option(5.0),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
+) -> None:
     """Print the broker's counters, gauges and workers as JSON."""
     from epdq.client import AsyncClient
 
     async def main() -> dict:
-        async with AsyncClient(address) as c:
+        async with AsyncClient(address, keys_dir=keys_dir, insecure=insecure) as c:
             return await c.stats(timeout=timeout)
 
     typer.echo(json.dumps(asyncio.run(main()), indent=2))
 
 
+@app.command()
+def keygen(
+    directory: Path = typer.Argument(None, help="Keys directory (default: $EPDQ_HOME/keys)."),
+) -> None:
+    """Write CURVE key pairs for broker, clients and workers, and the broker's allow-list."""
+    from epdq.keys import ensure_cluster_keys
+
+    d = ensure_cluster_keys(directory)
+    typer.echo(f"keys in {d}: broker, client, worker (*.key public, *.key_secret private); allow-list {d}/allowed")
+    typer.echo("Give clients client.key_secret + broker.key; workers worker.key_secret + broker.key.")
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except EpdqError as e:  # configuration problems (keys, addresses) as one clear line
+        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

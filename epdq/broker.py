@@ -18,6 +18,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.errors import EpdqError, InvalidInputError, ProtocolError
+from epdq.keys import security_for
 from epdq.media import image_key, sniff_format
 from epdq.scheduler import (
     Fail,
@@ -31,6 +32,7 @@ from epdq.scheduler import (
     SendPrefill,
     SendUnpin,
 )
+from epdq.security import authenticator_for
 from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket
 
 log = logging.getLogger("epdq.broker")
@@ -53,6 +55,8 @@ class BrokerConfig:
     client_liveness_s: float = 10.0  # a client with live requests silent this long is gone
     encode_lease_s: float = 60.0  # an encode job not finished in this time is re-queued
     scope: str = ""  # cache-key scope; adopted from the first encoder when empty
+    keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
+    insecure: bool = False  # plaintext tcp, allowed on loopback only
 
     def __post_init__(self) -> None:
         if "://" not in self.address:
@@ -108,9 +112,10 @@ class Broker:
     # ------------------------------------------------------------ lifecycle
 
     def bind(self) -> str:
+        security = security_for("broker", keys_dir=self.cfg.keys_dir, insecure=self.cfg.insecure)
         sock = make_socket(
             self._ctx, zmq.ROUTER, bind=self.cfg.address,
-            max_message_bytes=self.cfg.max_image_bytes + (1 << 20),
+            max_message_bytes=self.cfg.max_image_bytes + (1 << 20), security=security,
         )  # fmt: skip
         self.channel = Channel(sock, self._on_frames, on_error=self._on_handler_error)
         self.endpoint = bound_endpoint(sock)
@@ -132,6 +137,9 @@ class Broker:
             for peer in list(self.workers.values()):
                 self._send(peer.identity, P.Bye("broker shutting down"))
             self.channel.close()
+            auth = authenticator_for(self._ctx)
+            if auth is not None:
+                auth.stop()
 
     def stop(self) -> None:
         self._stop.set()

@@ -27,7 +27,9 @@ from epdq.errors import (
     ProtocolError,
     error_from_code,
 )
+from epdq.keys import security_for
 from epdq.media import load_image_bytes
+from epdq.security import SecurityConfig
 from epdq.transport import Channel, make_socket
 
 # how long past the request deadline the client waits for the broker's own deadline error
@@ -72,8 +74,14 @@ class AsyncClient:
         timeout: float = 120.0,
         heartbeat_s: float = 1.0,
         liveness: int = 5,
+        keys_dir: str = "",
+        insecure: bool = False,
+        security: SecurityConfig | None = None,
         ctx: zmq.Context | None = None,
     ):
+        """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
+        made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
+        loopback only. ipc:// needs neither."""
         if timeout <= 0 or heartbeat_s <= 0 or liveness < 1:
             raise ValueError("timeout and heartbeat_s must be > 0, liveness >= 1")
         self.address = address
@@ -89,6 +97,7 @@ class AsyncClient:
         self._broker_id: str | None = None
         self._pinger: asyncio.Task | None = None
         self.reconnects = 0
+        self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -112,7 +121,7 @@ class AsyncClient:
                 pass
 
     def _open(self) -> None:
-        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address)
+        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security)
         self._channel = Channel(sock, self._on_frames)
         self._channel.start()
         self._last_heard = time.monotonic()

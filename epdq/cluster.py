@@ -24,6 +24,7 @@ import msgspec
 from epdq.broker import BrokerConfig
 from epdq.client import AsyncClient
 from epdq.errors import BrokerUnavailableError
+from epdq.keys import ensure_cluster_keys
 from epdq.worker.runner import WorkerConfig
 
 
@@ -40,6 +41,8 @@ class ClusterSpec:
     log_dir: str = ""
     log_format: str = "text"
     start_timeout_s: float = 300.0
+    keys_dir: str = ""  # CURVE keys for tcp; empty = $EPDQ_HOME/keys, created when missing
+    insecure: bool = False  # plaintext tcp on loopback instead of CURVE
 
     def __post_init__(self) -> None:
         if min(self.encoders, self.pds, self.both) < 0:
@@ -80,6 +83,7 @@ class Cluster:
         self.log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.address = spec.address
         self._broker_cfg: BrokerConfig | None = None
+        self.keys_dir = spec.keys_dir
 
     def _spawn(self, name: str, kind: str, cfg: object) -> Child:
         assert self.log_dir is not None
@@ -107,7 +111,8 @@ class Cluster:
         for role, n in (("encoder", self.spec.encoders), ("pd", self.spec.pds), ("both", self.spec.both)):
             for i in range(n):
                 kw = dict(self.spec.worker_defaults)
-                kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}")
+                kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}",
+                          keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:
                     kw["node"] = self.spec.nodes[role]
                 out.append((f"{role}-{i}", WorkerConfig(**kw)))
@@ -120,7 +125,9 @@ class Cluster:
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
-        bcfg = dataclasses.replace(bcfg, address=self.address)
+        if self.address.startswith("tcp://") and not self.spec.insecure:
+            self.keys_dir = str(ensure_cluster_keys(self.spec.keys_dir or None))
+        bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure)
         self._broker_cfg = bcfg
         say(f"starting broker on {self.address}")
         self._spawn("broker", "broker", bcfg)
@@ -138,7 +145,7 @@ class Cluster:
     async def wait_ready(self, want: dict[str, int], say=lambda _m: None) -> dict:
         deadline = time.monotonic() + self.spec.start_timeout_s
         last = None
-        async with AsyncClient(self.address) as c:
+        async with self.client() as c:
             while True:
                 self.check_alive()
                 try:
@@ -168,6 +175,10 @@ class Cluster:
             old.proc.wait(15)
         self.children.remove(old)
         self._spawn("broker", "broker", self._broker_cfg)
+
+    def client(self, **kw) -> AsyncClient:
+        """A client with this cluster's keys."""
+        return AsyncClient(self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure, **kw)
 
     def check_alive(self) -> None:
         for ch in self.children:

@@ -20,6 +20,8 @@ from typing import Any
 
 import zmq
 
+from epdq.security import SecurityConfig, apply_client, apply_server, curve_required, ensure_authenticator
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES_DEFAULT = 64 * 2**20
@@ -37,7 +39,11 @@ def make_socket(
     bind: str | None = None,
     connect: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
+    security: SecurityConfig | None = None,
+    server_public: bytes | None = None,
 ) -> zmq.Socket:
+    """`security` None is for links that never leave the process or this user's ipc directory;
+    every other caller passes one, and a tcp endpoint then gets CURVE or a clear refusal."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -51,6 +57,14 @@ def make_socket(
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        endpoint = bind if bind is not None else connect
+        if security is not None and endpoint is not None and curve_required(endpoint, security):
+            if bind is not None:
+                server = security.server()
+                ensure_authenticator(ctx, server)  # before bind: no handshake may go unchecked
+                apply_server(sock, server)
+            else:
+                apply_client(sock, security.client(server_public))
         if bind is not None:
             _prepare_ipc(bind)
             sock.bind(bind)

@@ -9,7 +9,9 @@ other nodes are served from the ring by a fetch socket (ROUTER) this worker bind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ class EncoderWorker:
         max_image_pixels: int,
         fetch_bind: str = "tcp://127.0.0.1:*",
         ctx: zmq.Context | None = None,
+        security: Any = None,
     ) -> None:
         self.engine = engine
         self.ring = ring
@@ -55,6 +58,7 @@ class EncoderWorker:
         self.max_image_pixels = max_image_pixels
         self._ctx = ctx or zmq.Context.instance()
         self._fetch_bind = fetch_bind
+        self._security = security
         self._jobs: deque[_Job] = deque()
         self._blocked: deque[tuple[_Job, EncodedImage, float]] = deque()  # waiting for ring space
         self._wake = asyncio.Event()
@@ -64,7 +68,9 @@ class EncoderWorker:
         self.encoded = 0
 
     def open_fetch_socket(self) -> str:
-        sock = make_socket(self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096)
+        sock = make_socket(
+            self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096, security=self._security
+        )
         self._fetch = Channel(sock, self._on_fetch)
         self.fetch_endpoint = bound_endpoint(sock)
         return self.fetch_endpoint
@@ -217,6 +223,9 @@ class EncoderWorker:
     def close(self) -> None:
         if self._fetch is not None:
             self._fetch.close()
+            if self.fetch_endpoint.startswith("ipc://") and not self.fetch_endpoint.startswith("ipc://@"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.fetch_endpoint[len("ipc://") :])
 
 
 def _as_epdq_error(e: BaseException) -> EpdqError:

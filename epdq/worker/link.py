@@ -17,6 +17,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.errors import ProtocolError
+from epdq.security import SecurityConfig
 from epdq.transport import Channel, make_socket
 
 log = logging.getLogger("epdq.worker")
@@ -35,6 +36,7 @@ class BrokerLink:
         max_message_bytes: int = 64 * 2**20,
         on_registered: Callable[[bool], None] | None = None,
         heartbeat: Callable[[], P.Heartbeat] | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.address = address
         self.register = register
@@ -42,6 +44,7 @@ class BrokerLink:
         # called with again=True when the broker accepted us anew: it holds none of our old work
         self._on_registered = on_registered
         self.registrations = 0
+        self._security = security
         self._make_heartbeat = heartbeat or P.Heartbeat
         self.rejected = 0  # malformed messages received
         self.heartbeat_s = heartbeat_s
@@ -62,7 +65,7 @@ class BrokerLink:
     def _connect(self) -> None:
         sock = make_socket(
             self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
-            max_message_bytes=self._max_bytes,
+            max_message_bytes=self._max_bytes, security=self._security,
         )  # fmt: skip
         self._channel = Channel(sock, self._on_frames)
         self._channel.start()

@@ -20,6 +20,7 @@ import zmq
 from epdq import protocol as P
 from epdq.engines.base import PDEngine, SamplingSpec
 from epdq.errors import EngineError, EpdqError, InvalidInputError, ProtocolError, StaleEmbeddingError
+from epdq.keys import own_public_key
 from epdq.media import decode_image
 from epdq.ring import RingReader
 from epdq.transport import Channel, make_socket
@@ -32,20 +33,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class RemoteFetcher:
     """Fetches ring bytes from encoders on other nodes (one DEALER per encoder endpoint)."""
 
-    def __init__(self, ctx: zmq.Context, *, timeout_s: float = 10.0, max_bytes: int = 512 * 2**20):
+    def __init__(
+        self, ctx: zmq.Context, *, timeout_s: float = 10.0, max_bytes: int = 512 * 2**20, security: Any = None
+    ):
         self._ctx = ctx
         self._channels: dict[str, Channel] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count(1)
         self.timeout_s = timeout_s
         self._max_bytes = max_bytes
+        self._security = security
+        # encoders serve fetches with the worker key pair, which this process holds too
+        self._server_public = own_public_key(security) if security is not None else None
 
     def _channel(self, endpoint: str) -> Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
             if not endpoint.startswith(("tcp://", "ipc://")):
                 raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")
-            sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes)
+            sock = make_socket(
+                self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes,
+                security=self._security, server_public=self._server_public,
+            )  # fmt: skip
             ch = Channel(sock, self._on_frames)
             ch.start()
             self._channels[endpoint] = ch
@@ -99,6 +108,7 @@ class PDWorker:
         max_image_bytes: int,
         max_image_pixels: int,
         ctx: zmq.Context | None = None,
+        security: Any = None,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -108,7 +118,7 @@ class PDWorker:
         self.max_image_pixels = max_image_pixels
         self._ctx = ctx or zmq.Context.instance()
         self.reader = RingReader()
-        self.fetcher = RemoteFetcher(self._ctx)
+        self.fetcher = RemoteFetcher(self._ctx, security=security)
         self._tasks: dict[str, asyncio.Task] = {}
         self.link: Any = None
         self.local_reads = 0

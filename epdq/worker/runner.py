@@ -28,13 +28,15 @@ class WorkerConfig:
     capacity: int = 0  # jobs held at once (0 = role default)
     ring_bytes: int = 256 * 2**20
     dtype: str = "float32"
-    fetch_bind: str = "tcp://127.0.0.1:*"  # where an encoder serves ring bytes to other nodes
+    fetch_bind: str = ""  # where an encoder serves ring bytes to other nodes ("" = see fetch_endpoint)
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 40_000_000
     max_model_len: int = 4096
     kv_cache_bytes: int = 64 * 2**20
     max_images_per_prompt: int = 8
     heartbeat_s: float = 1.0
+    keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
+    insecure: bool = False  # plaintext tcp, allowed on loopback only
     threads: int = 1  # torch intra-op threads of an encoder (vLLM engines set their own)
     engine: str = "auto"  # "auto": transformers vision tower / vLLM; "noop": no model (tests, benchmarks)
     noop_encode_s: float = 0.0  # noop engine: seconds per image encoded
@@ -76,23 +78,37 @@ def resolve_model(model: str) -> str:
     return str(default_model_dir())
 
 
+def default_fetch_bind(security) -> str:
+    """tcp on loopback when CURVE keys are at hand; otherwise a private ipc socket (same host)."""
+    if security.mode == "curve":
+        return "tcp://127.0.0.1:*"
+    import tempfile
+
+    d = os.path.join(tempfile.gettempdir(), f"epdq-{os.getuid()}")
+    return f"ipc://{d}/fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set or the task is cancelled."""
+    from epdq.keys import security_for
+
+    security = security_for("worker", keys_dir=cfg.keys_dir, insecure=cfg.insecure)
     model = resolve_model(cfg.model) if cfg.engine == "auto" else "noop"
     stop = stop or asyncio.Event()
     if cfg.role == "encoder":
-        await _run_encoder(cfg, model, stop)
+        await _run_encoder(cfg, model, stop, security)
     else:
-        await _run_pd(cfg, model, stop)
+        await _run_pd(cfg, model, stop, security)
 
 
-async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
+async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) -> None:
     import torch
 
     from epdq.ring import RingWriter, cleanup_stale_segments
     from epdq.worker.encoder import EncoderWorker
 
     torch.set_num_threads(cfg.threads)
+    fetch_bind = cfg.fetch_bind or default_fetch_bind(security)
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by dead processes", len(removed))
@@ -107,7 +123,7 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
     ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
     worker = EncoderWorker(
         engine, ring, worker_id=cfg.worker_id, node=cfg.node, max_image_bytes=cfg.max_image_bytes,
-        max_image_pixels=cfg.max_image_pixels, fetch_bind=cfg.fetch_bind,
+        max_image_pixels=cfg.max_image_pixels, fetch_bind=fetch_bind, security=security,
     )  # fmt: skip
     try:
         fetch = worker.open_fetch_socket()
@@ -117,7 +133,7 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
         )  # fmt: skip
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
-            heartbeat=worker.heartbeat,
+            heartbeat=worker.heartbeat, security=security,
         )  # fmt: skip
         worker.link = link
         worker.start()
@@ -138,7 +154,7 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> No
         ring.close(unlink=True)
 
 
-async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
+async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) -> None:
     from epdq.worker.pd import PDWorker
 
     colocated = cfg.role == "both"
@@ -157,13 +173,16 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event) -> None:
     await engine.start()
     worker = PDWorker(
         engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
-        max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels,
+        max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels, security=security,
     )  # fmt: skip
     try:
         reg = P.Register(
             cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid()
         )
-        link = BrokerLink(cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered)
+        link = BrokerLink(
+            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
+            security=security,
+        )  # fmt: skip
         worker.link = link
         link.start()
         log.info("%s worker %s up", cfg.role, cfg.worker_id)

@@ -17,6 +17,7 @@ from epdq import AsyncClient, BrokerUnavailableError, BusyError, InvalidInputErr
 from epdq.broker import BrokerConfig
 from epdq.cluster import Cluster, ClusterSpec, kill_child
 from epdq.demo import demo_image
+from epdq.security import SecurityConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -156,3 +157,27 @@ async def test_soak_ring_returns_to_baseline_and_nothing_leaks(tmp_path):
         assert (sock_dir.stat().st_mode & 0o777) == 0o700
         assert (sock_dir / "broker").stat().st_mode & 0o777 == 0o600
     assert _segments() - before == set()
+
+
+async def test_tcp_peer_without_an_allowed_key_is_refused(tmp_path, unused_tcp_port):
+    from epdq import DeadlineExceededError, EpdqError
+    from epdq.keys import ensure_cluster_keys
+
+    keys = ensure_cluster_keys(tmp_path / "keys")
+    spec = noop_spec(tmp_path, address=f"tcp://127.0.0.1:{unused_tcp_port}", keys_dir=str(keys))
+    async with Cluster(spec) as cluster:
+        async with cluster.client() as c:  # the cluster's client key: allowed
+            assert len((await c.generate("hi", max_tokens=2)).token_ids) == 2
+        stranger = ensure_cluster_keys(tmp_path / "stranger")  # same layout, keys nobody allowed
+        (stranger / "broker.key").write_bytes((keys / "broker.key").read_bytes())  # knows the server key
+        async with AsyncClient(cluster.address, keys_dir=str(stranger), liveness=2, heartbeat_s=0.2) as c:
+            with pytest.raises(EpdqError) as ei:
+                await c.generate("let me in", max_tokens=2, timeout=1.5)
+            assert isinstance(ei.value, (DeadlineExceededError, BrokerUnavailableError))
+        with pytest.raises(InvalidInputError, match="insecure"):  # plaintext tcp only when asked for
+            await AsyncClient(cluster.address, security=SecurityConfig()).connect()
+        with pytest.raises(InvalidInputError, match="keygen"):
+            AsyncClient(cluster.address, keys_dir=str(tmp_path))
+        async with cluster.client() as c:
+            s = await c.stats()
+        assert s["counters"]["requests_submitted"] == 1  # the stranger's request never arrived
