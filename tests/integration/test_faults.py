@@ -181,3 +181,16 @@ async def test_tcp_peer_without_an_allowed_key_is_refused(tmp_path, unused_tcp_p
         async with cluster.client() as c:
             s = await c.stats()
         assert s["counters"]["requests_submitted"] == 1  # the stranger's request never arrived
+
+
+async def test_dead_broker_fails_inflight_requests_typed(tmp_path):
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.2})
+    async with Cluster(spec) as cluster:
+        async with AsyncClient(cluster.address, heartbeat_s=0.2, liveness=5) as c:
+            inflight = asyncio.create_task(c.generate("long", max_tokens=500, timeout=60))
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+            kill_child(cluster.child("broker"))
+            t0 = time.monotonic()
+            with pytest.raises(BrokerUnavailableError, match="silent"):
+                await inflight
+            assert time.monotonic() - t0 < 5  # heartbeat 0.2 s x liveness 5, not the 60 s deadline

@@ -295,3 +295,36 @@ def test_held_image_bytes_are_bounded(clock):
     s.cancel("r1")
     assert s.held_image_bytes == 0
     s.submit("r2", b"c", [K(2)], [b"y" * 60], 10, None)
+
+
+def test_encode_lease_expiry_requeues_to_another_encoder(clock):
+    s = make(clock, enc=2, enc_cap=1, encode_lease_s=5.0)
+    first = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    clock.t += 4.9
+    s.expire()
+    assert not of(s.take_actions(), SendEncode)  # lease not over yet
+    clock.t += 0.2
+    s.expire()
+    (again,) = of(s.take_actions(), SendEncode)
+    assert again.worker_id != first.worker_id and again.job.job_id == first.job.job_id
+    assert s.counters["leases_expired"] == 1
+    # the stuck encoder's slot stays taken until it answers; its late answer is unpinned, not used
+    assert s.workers[first.worker_id].credit == 0
+    s.on_encoded(first.worker_id, first.job.job_id, ref_for(K(1), first.worker_id, gen=1))
+    acts = s.take_actions()
+    assert of(acts, SendUnpin) and not of(acts, SendPrefill)
+    assert s.workers[first.worker_id].credit == 1
+    acts = finish_encode(s, again, gen=2)
+    assert of(acts, SendPrefill)[0].refs[0].generation == 2
+
+
+def test_lease_expiry_respects_attempt_cap(clock):
+    s = make(clock, enc=1, enc_cap=2, encode_lease_s=1.0, max_encode_attempts=2)
+    submit(s, "r1", [K(1)])
+    clock.t += 1.1
+    s.expire()
+    assert len(of(s.take_actions(), SendEncode)) == 1  # second attempt on the remaining credit
+    clock.t += 1.1
+    s.expire()
+    (fail,) = of(s.take_actions(), Fail)
+    assert isinstance(fail.error, WorkerLostError) and fail.rid == "r1"
