@@ -67,8 +67,8 @@ class BrokerConfig:
             raise ValueError("max_image_bytes must be >= 1024")
         if self.default_timeout_s <= 0 or self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
-        if self.heartbeat_s <= 0 or self.liveness < 1:
-            raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+        if not 0.01 <= self.heartbeat_s <= 600 or self.liveness < 1:
+            raise ValueError("heartbeat_s must be in [0.01, 600] and liveness >= 1")
         if self.client_liveness_s <= 0 or self.encode_lease_s <= 0:
             raise ValueError("client_liveness_s and encode_lease_s must be > 0")
 

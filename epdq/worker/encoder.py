@@ -23,7 +23,7 @@ from epdq import protocol as P
 from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.media import decode_image
-from epdq.ring import RingWriter
+from epdq.ring import KEY_BYTES, RingWriter
 from epdq.transport import Channel, bound_endpoint, make_socket
 
 log = logging.getLogger("epdq.encoder")
@@ -94,6 +94,9 @@ class EncoderWorker:
 
     def handle(self, msg: Any, payload: list[Any]) -> None:
         if isinstance(msg, P.Encode):
+            if len(msg.key) != KEY_BYTES:
+                self.link.send(P.EncodeFailed(msg.job_id, msg.key[:KEY_BYTES], "protocol", "encode keys are 16 bytes"))
+                return
             self._jobs.append(_Job(msg.job_id, msg.key, payload[0]))
             self._wake.set()
         elif isinstance(msg, P.Pin):
@@ -120,7 +123,12 @@ class EncoderWorker:
                 continue
             batch = list(self._jobs)
             self._jobs.clear()
-            await self._encode_batch(batch)
+            try:
+                await self._encode_batch(batch)
+            except Exception as e:  # no single job may end the loop
+                log.exception("encode batch failed")
+                for job in batch:
+                    self._fail(job, _as_epdq_error(e))
             if self._jobs:
                 self._wake.set()
 

@@ -82,7 +82,16 @@ class BrokerLink:
             return
         self._last_heard = time.monotonic()
         if isinstance(msg, P.Registered):
-            self.heartbeat_s = msg.heartbeat_s
+            # NaN/inf/absurd intervals would kill or stall _beat (or make it spin/reconnect in a loop)
+            if 0.01 <= msg.heartbeat_s <= 600.0:
+                self.heartbeat_s = msg.heartbeat_s
+            else:
+                self.rejected += 1
+                log.warning(
+                    "ignored heartbeat interval %r s from the broker; keeping %.3g s",
+                    msg.heartbeat_s,
+                    self.heartbeat_s,
+                )
             self.registered.set()
             self.registrations += 1
             log.info("registered with broker %s as %s", self.address, self.register.worker_id)

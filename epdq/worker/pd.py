@@ -27,6 +27,7 @@ from epdq.transport import Channel, make_socket
 
 log = logging.getLogger("epdq.pd")
 
+_MAX_FETCH_CHANNELS = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,8 +48,11 @@ class RemoteFetcher:
         self._server_public = own_public_key(security) if security is not None else None
 
     def _channel(self, endpoint: str) -> Channel:
-        ch = self._channels.get(endpoint)
+        ch = self._channels.pop(endpoint, None)
         if ch is None:
+            if len(self._channels) >= _MAX_FETCH_CHANNELS:  # bounded: drop the least recently used
+                oldest = next(iter(self._channels))
+                self._channels.pop(oldest).close()
             if not endpoint.startswith(("tcp://", "ipc://")):
                 raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")
             sock = make_socket(
@@ -57,7 +61,7 @@ class RemoteFetcher:
             )  # fmt: skip
             ch = Channel(sock, self._on_frames)
             ch.start()
-            self._channels[endpoint] = ch
+        self._channels[endpoint] = ch  # re-inserted: dict order is recency
         return ch
 
     def _on_frames(self, frames: list[Any]) -> None:
@@ -147,6 +151,8 @@ class PDWorker:
     async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
         rid = msg.request_id
         try:
+            if not 0 < msg.timeout_s <= 86400:  # also NaN: asyncio would raise a bare ValueError
+                raise InvalidInputError(f"timeout_s must be in (0, 86400], got {msg.timeout_s}")
             async with asyncio.timeout(msg.timeout_s):
                 await self._generate(msg, payload)
         except asyncio.CancelledError:

@@ -54,6 +54,8 @@ class WorkerConfig:
             self.capacity = 8 if self.role == "encoder" else 16
         if self.ring_bytes < 2**20:
             raise ValueError("ring_bytes must be >= 1 MiB")
+        if not 0.01 <= self.heartbeat_s <= 600:
+            raise ValueError("heartbeat_s must be in [0.01, 600]")
         if self.engine not in ("auto", "noop"):
             raise ValueError(f"engine must be auto or noop, got {self.engine!r}")
         if min(self.noop_encode_s, self.noop_prefill_s, self.noop_token_s) < 0:

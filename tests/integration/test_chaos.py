@@ -10,13 +10,15 @@ when sent again, and every successful output must be token-identical to the colo
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
-from epdq import AsyncClient, EpdqError, GenerateResult
+from epdq import AsyncClient, EpdqError, GenerateResult, WorkerLostError
 from epdq.cluster import Cluster, ClusterSpec, kill_child
 from epdq.demo import demo_image
 
@@ -75,6 +77,8 @@ def make_requests() -> list[Outcome]:
     for i in range(N_REQUESTS):
         k = 1 + i % 3
         imgs = [POOL[rng.randrange(len(POOL))] for _ in range(k)]  # repeats: cache hits and dedup joins
+        if 8 <= i < ENCODER_GATE:  # fresh images too, so the encoders are busy when one dies
+            imgs.append(demo_image(500 + i, SIZES[3]))
         out.append(Outcome(i, f"Chaos request {i}: describe what you see.", imgs))
     return out
 
@@ -127,25 +131,44 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                     o.end = time.monotonic()
                     n_done += 1
 
+        async def freeze(name: str, pred) -> int:
+            """SIGSTOP `name` once pred(stats) says it holds work; returns the work the broker
+            sees it holding once frozen (0 if it never held any within the time allowed).
+
+            Freezing first makes "killed with work in flight" a fact rather than a race: a
+            frozen worker cannot finish its jobs in the moment between the look and the kill."""
+            end = time.monotonic() + 10.0
+            while time.monotonic() < end:
+                s = await _wait_for(admin, pred, timeout=max(0.1, end - time.monotonic()))
+                if s is None:
+                    break
+                pid = cluster.child(name).proc.pid
+                os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(0.25)  # let what it sent before freezing reach the broker
+                held = _inflight(await _stats(admin), name)
+                if held:
+                    return held
+                os.kill(pid, signal.SIGCONT)  # it finished just in time; try again
+            return 0
+
         async def chaos() -> None:
-            # let the pipeline warm up: a few requests complete before anything dies
-            while n_done < 4:
+            while n_done < 4:  # let the pipeline warm up: a few requests complete first
                 await asyncio.sleep(0.02)
-            # prefer to kill encoder-0 while it holds encode jobs (they must be re-queued)
-            s = await _wait_for(admin, lambda s: _inflight(s, "encoder-0") > 0, timeout=5.0)
-            killed["encoder-0"] = {"inflight": _inflight(s, "encoder-0") if s else 0, "at_done": n_done}
+            held = await freeze("encoder-0", lambda s: _inflight(s, "encoder-0") > 0)
+            killed["encoder-0"] = {"inflight": held, "at_done": n_done}
             kill_child(cluster.child("encoder-0"))
             encoder_dead.set()
-            await asyncio.sleep(0.1)
-            # then the PD worker that currently has work in flight
+            # then the PD worker that has the most work in flight
             s = await _wait_for(admin, lambda s: any(w["role"] == "pd" and w["inflight"] for w in s["workers"]),
                                 timeout=10.0)  # fmt: skip
+            name = "pd-0"
+            held = 0
             if s is not None:
-                victim = max((w for w in s["workers"] if w["role"] == "pd"), key=lambda w: w["inflight"])
-                name, inflight = victim["worker_id"], int(victim["inflight"])
-            else:
-                name, inflight = "pd-0", 0
-            killed[name] = {"inflight": inflight, "at_done": n_done}
+                name = max((w for w in s["workers"] if w["role"] == "pd"), key=lambda w: w["inflight"])[
+                    "worker_id"
+                ]
+                held = await freeze(name, lambda s: _inflight(s, name) > 0)
+            killed[name] = {"inflight": held, "at_done": n_done}
             kill_child(cluster.child(name))
             pd_dead.set()
 
@@ -166,8 +189,11 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
         assert all(k["at_done"] < PD_GATE for k in killed.values()), f"a kill came too late: {killed}"
         after = await _wait_for(
             admin,
-            lambda s: s["counters"]["workers_lost"] - base["workers_lost"] >= 2
-            and s["gauges"]["workers_encoder"] == 1 and s["gauges"]["workers_pd"] == 1,
+            lambda s: (
+                s["counters"]["workers_lost"] - base["workers_lost"] >= 2
+                and s["gauges"]["workers_encoder"] == 1
+                and s["gauges"]["workers_pd"] == 1
+            ),
             timeout=15.0,
         )
         assert after is not None, f"broker did not register both losses: {await _stats(admin)}"
@@ -204,9 +230,13 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                 mismatches.append((o.index, got.token_ids, colo.token_ids))
         assert not mismatches, f"E->PD differs from colocated: {mismatches}"
 
-        # encode jobs held by the dead encoder were re-queued (when it held any)
-        if killed["encoder-0"]["inflight"]:
-            assert delta["encode_requeues"] >= 1, delta
+        # both died holding work: the encoder's jobs were re-queued; the PD worker's sequences were
+        # re-queued, or (those that had streamed) failed with WorkerLostError and succeeded on retry
+        (pd_name,) = set(killed) - {"encoder-0"}
+        assert killed["encoder-0"]["inflight"] > 0 and killed[pd_name]["inflight"] > 0, killed
+        assert delta["encode_requeues"] >= killed["encoder-0"]["inflight"], (killed, delta)
+        lost = sum(isinstance(o.error, WorkerLostError) for o in failed)
+        assert delta["pd_requeues"] + lost >= killed[pd_name]["inflight"], (killed, delta, lost)
         print(
             f"\nchaos: {len(reqs)} requests in {chaos_s:.1f}s, {len(failed)} failed "
             f"({sorted({type(o.error).__name__ for o in failed})}), killed {killed}, "

@@ -28,14 +28,17 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 import zmq
 import zmq.asyncio
+from PIL import Image
 
 from epdq import AsyncClient
 from epdq import protocol as P
 from epdq.cluster import Cluster, ClusterSpec
 from epdq.demo import demo_image
 from epdq.errors import ProtocolError
+from epdq.ring import RingReader
 from epdq.worker.runner import WorkerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -54,7 +57,24 @@ BROKER_HANDLED = {
 
 # ====================================================================== generators
 
-_EDGE_INTS = [0, 1, -1, 2, 7, 64, 255, 256, 4096, 10**9, 2**31 - 1, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
+_EDGE_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    7,
+    64,
+    255,
+    256,
+    4096,
+    10**9,
+    2**31 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+]
 _EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0000001, 1e-300, 1e300, -1e300, math.inf, -math.inf, math.nan]
 
 
@@ -80,7 +100,9 @@ def junk(rng: random.Random, depth: int = 0) -> Any:
     if k == 5:
         return rng.randbytes(rng.choice([0, 1, 15, 16, 17, 64]))
     if k == 6:
-        return rng.choice(["text", "image", "user", "system", "assistant", "pd", "encoder", "both", "float32", ""])
+        return rng.choice(
+            ["text", "image", "user", "system", "assistant", "pd", "encoder", "both", "float32", ""]
+        )
     if k in (7, 8):
         return [junk(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 3, 5, 11]))]
     return {_rstr(rng, rng.randint(0, 6)): junk(rng, depth + 1) for _ in range(rng.randint(0, 4))}
@@ -133,9 +155,9 @@ def template(rng: random.Random, t: T) -> tuple[P._S, list[bytes]]:
     e = P.EntryId(_key(rng), rng.randint(1, 2**32))
     if t is T.SUBMIT:
         n = rng.choice([0, 0, 1])
-        return P.Submit(f"fz-{rng.getrandbits(48):x}", _messages(rng, n, False), _sampling(rng, False), 5.0, n), [
-            demo_image(rng.randrange(1000), (32, 32)) for _ in range(n)
-        ]
+        return P.Submit(
+            f"fz-{rng.getrandbits(48):x}", _messages(rng, n, False), _sampling(rng, False), 5.0, n
+        ), [demo_image(rng.randrange(1000), (32, 32)) for _ in range(n)]
     table: dict[T, Any] = {
         T.CANCEL: lambda: P.Cancel(_rstr(rng)),
         T.STATS_REQUEST: lambda: P.StatsRequest(rng.randint(0, 2**63 - 1)),
@@ -179,7 +201,7 @@ def mutate(rng: random.Random, msg: P._S) -> Any:
     elif op == 2 and arr:
         del arr[rng.randrange(len(arr)) :]
     elif op == 3:
-        arr = {f: v for f, v in zip(msg.__struct_fields__, arr)}  # map instead of array
+        arr = {f: v for f, v in zip(msg.__struct_fields__, arr, strict=False)}  # map instead of array
     elif op == 4 and arr:
         i = rng.randrange(len(arr))
         arr[i] = [arr[i], junk(rng)] if rng.random() < 0.5 else {"x": arr[i]}
@@ -206,7 +228,11 @@ def malformed(rng: random.Random, types: list[T]) -> list[bytes]:
     t = rng.choice(types)
     tb = bytes([t])
     if k < 35:  # valid type, random header bytes
-        return [tb, rng.randbytes(rng.choice([0, 1, 5, 64, 1024])), *[rng.randbytes(8) for _ in range(rng.randint(0, 3))]]
+        return [
+            tb,
+            rng.randbytes(rng.choice([0, 1, 5, 64, 1024])),
+            *[rng.randbytes(8) for _ in range(rng.randint(0, 3))],
+        ]
     if k < 50:  # valid type, msgpack of the wrong shape
         return [tb, msgspec.msgpack.encode(junk(rng))]
     msg, payload = template(rng, t)
@@ -347,7 +373,9 @@ def tail(path: Path, n: int = 40) -> str:
         return ""
 
 
-def raw_socket(ctx: zmq.Context, kind: int, *, connect: str | None = None, bind: str | None = None) -> zmq.Socket:
+def raw_socket(
+    ctx: zmq.Context, kind: int, *, connect: str | None = None, bind: str | None = None
+) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
@@ -388,9 +416,11 @@ async def test_broker_survives_fuzz_and_serves(tmp_path):
     rng = random.Random(0xB40C3)
     cases: list[list[bytes]] = []
     types = list(T)
-    cases += [malformed(rng, types) for _ in range(2600)]
+    cases += [malformed(rng, types) for _ in range(4000)]
     cases += hostile_submits(rng) + hostile_registers(rng) + worker_only(rng)
-    cases += [[bytes([rng.choice(types)]), rng.randbytes(rng.choice([2, 3, 4]) << 20)] for _ in range(3)]  # MiB frames
+    cases += [
+        [bytes([rng.choice(types)]), rng.randbytes(rng.choice([2, 3, 4]) << 20)] for _ in range(3)
+    ]  # MiB frames
     cases += [[b"\x01", msgspec.msgpack.encode(junk(rng)), *[rng.randbytes(1 << 20)] * 3]]
     rng.shuffle(cases)
     # a fake registration in the middle: later worker-only messages hit the registered paths
@@ -420,7 +450,9 @@ async def test_broker_survives_fuzz_and_serves(tmp_path):
             sock.send_multipart(P.encode(P.Bye("fuzz done")))
             sock.send_multipart(P.encode(P.Ping(424242)))
             await recv_until(
-                sock, lambda f: f[0] == bytes([T.PONG]) and msgspec.msgpack.decode(f[1])[0] == 424242, timeout=60
+                sock,
+                lambda f: f[0] == bytes([T.PONG]) and msgspec.msgpack.decode(f[1])[0] == 424242,
+                timeout=60,
             )
             fuzz_s = time.monotonic() - t0
             cluster.check_alive()
@@ -465,6 +497,7 @@ class FakeBroker:
         self.registers: dict[bytes, P.Register] = {}
         self.registrations: Counter[bytes] = Counter()
         self.last_beat: dict[bytes, float] = {}
+        self.beats: Counter[bytes] = Counter()
         self.inbox: dict[bytes, list[tuple[Any, list[bytes]]]] = {}
         self.bad = 0
         self._changed = asyncio.Event()
@@ -488,6 +521,7 @@ class FakeBroker:
                 await self.send(ident, P.Registered(msg.worker_id, 1.0))
             elif isinstance(msg, P.Heartbeat):
                 self.last_beat[ident] = time.monotonic()
+                self.beats[ident] += 1
             else:
                 self.inbox.setdefault(ident, []).append((msg, payload))
             self._changed.set()
@@ -513,7 +547,9 @@ class FakeBroker:
                 return v
             left = end - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"fake broker: {what} not met within {timeout}s" + (f": {diag()}" if diag else ""))
+                raise AssertionError(
+                    f"fake broker: {what} not met within {timeout}s" + (f": {diag()}" if diag else "")
+                )
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
@@ -622,7 +658,8 @@ def hostile_prefills(rng: random.Random, segment: str, real: P.EmbedRef | None, 
             continue
         msgs = _messages(rng, n, r == 9)
         sampling = _sampling(rng, r == 10)
-        timeout = rng.choice([math.nan, -1.0, 0.0, -math.inf]) if r == 11 else 3.0
+        # (NaN: see test_pd_answers_nan_timeout_with_a_typed_error)
+        timeout = rng.choice([-1.0, 0.0, -math.inf, -1e300]) if r == 11 else 3.0
         if r == 7:
             timeout = 2.0  # a fetch from nowhere times out within the request's deadline
         out.append(P.Prefill(f"hp-{i}", msgs, sampling, timeout, [_ref(rng, **kw) for _ in range(n)]))
@@ -659,8 +696,6 @@ async def test_workers_survive_fuzz_and_serve(workers, tmp_path):
     # ---- phase 2: well-formed but hostile messages
     enc_jobs = {}
     bomb = io.BytesIO()
-    from PIL import Image
-
     Image.new("1", (9000, 9000)).save(bomb, format="PNG")  # 81 Mpx: over the pixel limit
     png = demo_image(5, (64, 64))
     for j in range(60):
@@ -674,6 +709,7 @@ async def test_workers_survive_fuzz_and_serve(workers, tmp_path):
         entries = [P.EntryId(rng.randbytes(rng.choice([0, 16, 17])), rng.choice([0, 1, 2**64 - 1]))
                    for _ in range(rng.choice([1, 10, 1000]))]  # fmt: skip
         await fb.send(w.enc, rng.choice([P.Pin, P.Unpin])(entries))
+
     def enc_answers():
         got = {m.job_id: m for m, _ in fb.inbox.get(w.enc, []) if isinstance(m, (P.Encoded, P.EncodeFailed))}
         return got if enc_jobs.keys() <= got.keys() else None
@@ -722,7 +758,12 @@ async def test_workers_survive_fuzz_and_serve(workers, tmp_path):
     good = P.Prefill("ok-epd", [P.ChatMessage("user", [P.Part("image"), P.Part("text", "what is it")])],
                      P.Sampling(max_tokens=3), 10.0, [real.ref])  # fmt: skip
     await fb.send(w.pd, good)
-    await fb.send(w.pd, P.Prefill("ok-text", [P.ChatMessage("user", [P.Part("text", "hi")])], P.Sampling(max_tokens=2), 10.0, []))
+    await fb.send(
+        w.pd,
+        P.Prefill(
+            "ok-text", [P.ChatMessage("user", [P.Part("text", "hi")])], P.Sampling(max_tokens=2), 10.0, []
+        ),
+    )
 
     def finals():
         got = {m.request_id: m for m, _ in fb.inbox.get(w.pd, [])[n:] if isinstance(m, (P.Tokens, P.PdFailed))
@@ -739,8 +780,12 @@ async def test_workers_survive_fuzz_and_serve(workers, tmp_path):
     now = time.monotonic()
     await fb.wait_for(lambda: all(fb.last_beat.get(i, 0) > now for i in (w.enc, w.pd)), 5, "fresh heartbeats")
     w.check_alive()
+    rejected = 0
     for name in ("fuzz-enc", "fuzz-pd"):
-        assert "Traceback" not in w.logs[name].read_text(errors="replace"), tail(w.logs[name], 60)
+        text = w.logs[name].read_text(errors="replace")
+        assert "Traceback" not in text, tail(w.logs[name], 60)
+        rejected += text.count("ignored a malformed message from the broker")  # BrokerLink.rejected
+    assert rejected >= 0.95 * undecodable_n, (rejected, undecodable_n)
     print(f"worker fuzz: {sent} malformed ({undecodable_n} undecodable), {len(enc_jobs)} bogus encodes, "
           f"{len(prefills)} hostile prefills {dict(codes)} in {time.monotonic() - t0:.1f}s")  # fmt: skip
 
@@ -777,7 +822,9 @@ async def test_encoder_fetch_socket_survives_fuzz(workers):
             sock.send_multipart([bytes([T.FETCH]), rng.randbytes(8192)])
         await asyncio.sleep(0.5)
         stray = drain(sock)
-        assert all(undecodable(f, 1) is False and msgspec.msgpack.decode(f[1])[1] != "" for f in stray), stray[:3]
+        assert all(undecodable(f, 1) is False and msgspec.msgpack.decode(f[1])[1] != "" for f in stray), (
+            stray[:3]
+        )
 
         # well-formed FETCHes for entries that are not there (or not quite): a typed refusal each
         nonces = {}
@@ -813,10 +860,6 @@ async def test_encoder_fetch_socket_survives_fuzz(workers):
         msg, payload = P.decode(frames, max_payload_frames=1)
         assert msg.nonce == 1 and msg.code == "", msg
         assert len(payload[0]) == ref.nbytes
-        from epdq.ring import RingReader
-
-        import torch
-
         reader = RingReader()
         try:
             local = reader.read(ref.segment, ref.offset, ref.nbytes, ref.key, ref.generation, torch.float32,
@@ -825,7 +868,9 @@ async def test_encoder_fetch_socket_survives_fuzz(workers):
             reader.close()
         assert local.numpy().tobytes() == payload[0]
         w.check_alive()
-        print(f"fetch fuzz: {n_junk} malformed, {len(nonces)} bogus FETCH answered {dict(Counter(m.code for m in replies.values()))}")
+        print(
+            f"fetch fuzz: {n_junk} malformed, {len(nonces)} bogus FETCH answered {dict(Counter(m.code for m in replies.values()))}"
+        )
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -842,12 +887,57 @@ async def test_encoder_survives_encode_with_bad_key(tmp_path):
         png = demo_image(3, (64, 64))
         for job_id, key in enumerate([b"", b"k" * 15, b"k" * 17, b"k" * 4096], start=1):
             await fb.send(w.enc, P.Encode(job_id, key), [png])
-        await asyncio.sleep(1.0)
-        w.check_alive()
-        failed = {m.job_id: m for m, _ in fb.take(w.enc, P.EncodeFailed)}
+
+        def answers():
+            w.check_alive()  # an encoder that died on one of them fails here, with its log
+            got = {m.job_id: m for m, _ in fb.take(w.enc, P.EncodeFailed)}
+            return got if len(got) >= 4 else None
+
+        failed = await fb.wait_for(answers, 10, "ENCODE_FAILED for every bad key")
         assert sorted(failed) == [1, 2, 3, 4] and all(m.code in TYPED_CODES for m in failed.values()), failed
         await fb.send(w.enc, P.Encode(9, bytes(16)), [png])
         await fb.wait_for(lambda: [m for m, _ in fb.take(w.enc, P.Encoded) if m.job_id == 9], 10, "ENCODED 9")
         w.check_alive()
+    finally:
+        await stop_workers(w)
+
+
+# ====================================================================== 5. well-formed, hostile values
+
+
+async def test_pd_answers_nan_timeout_with_a_typed_error(workers):
+    """A PREFILL whose timeout is NaN: refused as invalid input (not an engine failure with a traceback)."""
+    w, fb = workers, workers.fb
+    msgs = [P.ChatMessage("user", [P.Part("text", "hi")])]
+    await fb.send(w.pd, P.Prefill("nan-timeout", msgs, P.Sampling(max_tokens=2), math.nan, []))
+    (m, _), *_ = await fb.wait_for(
+        lambda: [(m, p) for m, p in fb.inbox.get(w.pd, []) if getattr(m, "request_id", "") == "nan-timeout"],
+        10, "an answer to the NaN-timeout PREFILL",
+    )  # fmt: skip
+    assert isinstance(m, P.PdFailed) and m.code in ("invalid_input", "deadline"), m
+    w.check_alive()
+
+
+async def test_link_keeps_a_sane_heartbeat_after_hostile_registered(tmp_path):
+    """REGISTERED with a heartbeat interval that is NaN, zero, negative or absurd must not stop the
+    link's heartbeats, make it spin, or make it reconnect in a loop."""
+    w = await start_workers(tmp_path, roles=("pd",))
+    try:
+        fb = w.fb
+        for hb in (math.nan, 0.0, -1.0, 1e-300, -math.inf, math.inf, 1e300, 2.0**64):
+            await fb.send(w.pd, P.Registered("fuzz-pd", hb))
+        regs, beats = fb.registrations[w.pd], fb.beats[w.pd]
+        await asyncio.sleep(4.0)
+        w.check_alive()
+        assert time.monotonic() - fb.last_beat.get(w.pd, 0) < 2.5, "the worker stopped heartbeating"
+        assert fb.beats[w.pd] - beats <= 20, f"{fb.beats[w.pd] - beats} heartbeats in 4 s"
+        assert fb.registrations[w.pd] - regs <= 2, f"{fb.registrations[w.pd] - regs} re-registrations in 4 s"
+        msgs = [P.ChatMessage("user", [P.Part("text", "hi")])]
+        await fb.send(w.pd, P.Prefill("after", msgs, P.Sampling(max_tokens=2), 10.0, []))
+        await fb.wait_for(
+            lambda: [m for m, _ in fb.inbox.get(w.pd, []) if isinstance(m, P.Tokens) and m.finish_reason],
+            10,
+            "TOKENS",
+        )
     finally:
         await stop_workers(w)
