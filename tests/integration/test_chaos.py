@@ -144,8 +144,12 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                     break
                 pid = cluster.child(name).proc.pid
                 os.kill(pid, signal.SIGSTOP)
-                await asyncio.sleep(0.25)  # let what it sent before freezing reach the broker
-                held = _inflight(await _stats(admin), name)
+                try:
+                    await asyncio.sleep(0.25)  # let what it sent before freezing reach the broker
+                    held = _inflight(await _stats(admin), name)
+                except BaseException:
+                    os.kill(pid, signal.SIGCONT)  # never leave a frozen worker behind
+                    raise
                 if held:
                     return held
                 os.kill(pid, signal.SIGCONT)  # it finished just in time; try again
