@@ -1,0 +1,107 @@
+"""Output shared by the benchmarks: aligned tables, JSON files, PNG plots, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str = "") -> str:
+    """A plain-text table (also valid Markdown) with right-aligned numbers."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    numeric = [all(_is_num(r[i]) for r in cells) if cells else False for i in range(len(headers))]
+
+    def line(vals: Sequence[str]) -> str:
+        return "| " + " | ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(vals, widths, numeric, strict=True)) + " |"
+
+    out = [f"\n{title}"] if title else []
+    out.append(line(headers))
+    out.append("|" + "|".join(("-" * (w + 1) + ":") if n else ("-" * (w + 2)) for w, n in zip(widths, numeric, strict=True)) + "|")
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3f}"
+    return str(v)
+
+
+def _is_num(s: str) -> bool:
+    try:
+        float(s.replace(",", "").rstrip("x×"))
+        return True
+    except ValueError:
+        return s == "n/a"
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+
+
+def write_json(path: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"benchmark": name, "environment": environment(), **data}, indent=2))
+    return p
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal, or when forced)."""
+
+    def __init__(self, total: int, label: str, *, force: bool = False, stream=None):
+        self.total = max(1, total)
+        self.label = label
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.enabled = force or self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(frac * 30)
+            eta = (now - self.t0) / frac * (1 - frac) if frac > 0 else 0.0
+            self.stream.write(f"\r{self.label:<28} [{bar:<30}] {self.done}/{self.total} eta {eta:5.1f}s")
+            if self.done >= self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+    def iter(self, items: Iterable[T]) -> Iterator[T]:
+        for item in items:
+            yield item
+            self.advance()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
