@@ -232,6 +232,43 @@ def keygen(
     typer.echo("Give clients client.key_secret + broker.key; workers worker.key_secret + broker.key.")
 
 
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: comparison tables, JSON and PNG plots.")
+app.add_typer(bench_app, name="bench")
+
+
+def _bench(module: str, argv: list[str]) -> None:
+    import importlib
+
+    raise typer.Exit(importlib.import_module(f"epdq.benchmarks.{module}").main(argv))
+
+
+_PASS = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}}
+
+
+@bench_app.command("handoff", **_PASS)
+def bench_handoff(ctx: typer.Context) -> None:
+    """Embedding hand-off: ring vs remote fetch vs safetensors files vs one memcpy (--help for options)."""
+    _bench("handoff", ctx.args)
+
+
+@bench_app.command("control", **_PASS)
+def bench_control(ctx: typer.Context) -> None:
+    """Control plane: broker + no-op workers vs an HTTP proxy shaped like vLLM's (--help for options)."""
+    _bench("control", ctx.args)
+
+
+@bench_app.command("goodput", **_PASS)
+def bench_goodput(ctx: typer.Context) -> None:
+    """Goodput under SLOs: 1 encoder + N PD vs N+1 colocated (--help for options)."""
+    _bench("goodput", ctx.args)
+
+
+@bench_app.command("scale", **_PASS)
+def bench_scale(ctx: typer.Context) -> None:
+    """The scheduler with 1,000 simulated workers and 100,000 queued requests (--help for options)."""
+    _bench("scale", ctx.args)
+
+
 def main() -> None:
     try:
         app()

@@ -36,6 +36,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Process-wide defaults vLLM's children inherit; a value the user exported always wins.
 _ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",  # 2 OMP threads on 2 cores made engines 20-30x slower
+    "EPDQ_DIE_WITH_PARENT": "1",  # engine processes exit when their worker dies (vllm_plugin)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # otherwise every engine on a host pins to core 0
     "HF_HUB_OFFLINE": "1",
 }

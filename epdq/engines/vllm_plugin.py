@@ -58,6 +58,40 @@ def install() -> bool:
     return True
 
 
+_watching = False
+
+
+def watch_parent(interval_s: float = 1.0) -> bool:
+    """In a process vLLM spawned for an epdq worker: exit when that worker is gone.
+
+    A SIGKILLed worker cannot stop its EngineCore; without this the core runs on as an orphan
+    holding ~1 GB. Only where the worker asked for it (EPDQ_DIE_WITH_PARENT=1) and only in spawned
+    children, never in the worker itself.
+    """
+    global _watching
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    if _watching or os.environ.get("EPDQ_DIE_WITH_PARENT") != "1" or multiprocessing.parent_process() is None:
+        return False
+    parent = os.getppid()
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)  # let vLLM clean up its shared memory
+        time.sleep(10)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=loop, name="epdq-parent-watch", daemon=True).start()
+    _watching = True
+    return True
+
+
 def register() -> None:
     """Entry point of the `vllm.general_plugins` group (called by vLLM in each of its processes)."""
     install()
+    watch_parent()

@@ -22,6 +22,30 @@ from epdq import AsyncClient, EpdqError, GenerateResult, WorkerLostError
 from epdq.cluster import Cluster, ClusterSpec, kill_child
 from epdq.demo import demo_image
 
+
+def _children(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+async def _all_exit(pids: list[int], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        alive = []
+        for p in pids:
+            try:
+                os.kill(p, 0)
+                alive.append(p)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 N_REQUESTS = 60
@@ -173,10 +197,12 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                 ]
                 held = await freeze(name, lambda s: _inflight(s, name) > 0)
             killed[name] = {"inflight": held, "at_done": n_done}
+            engine_cores.extend(_children(cluster.child(name).proc.pid))
             kill_child(cluster.child(name))
             pd_dead.set()
 
         t0 = time.monotonic()
+        engine_cores: list[int] = []
         tasks = [asyncio.create_task(one(o)) for o in reqs]
         chaos_task = asyncio.create_task(chaos())
         try:
@@ -233,6 +259,10 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
             if got.token_ids != colo.token_ids:
                 mismatches.append((o.index, got.token_ids, colo.token_ids))
         assert not mismatches, f"E->PD differs from colocated: {mismatches}"
+
+        # the killed PD worker's vLLM engine process did not outlive it (no orphaned ~1 GB cores)
+        assert engine_cores, "the PD worker had no engine child process"
+        assert await _all_exit(engine_cores, 20.0), f"orphaned engine processes: {engine_cores}"
 
         # both died holding work: the encoder's jobs were re-queued; the PD worker's sequences were
         # re-queued, or (those that had streamed) failed with WorkerLostError and succeeded on retry
