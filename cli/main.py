@@ -33,6 +33,10 @@ def broker(
     max_images: int = typer.Option(8, help="Images allowed per request."),
     max_image_mb: float = typer.Option(20.0, help="Largest image file accepted, MiB."),
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    heartbeat: float = typer.Option(1.0, help="Heartbeat interval to workers, seconds."),
+    liveness: int = typer.Option(5, help="Missed heartbeats before a worker is declared dead."),
+    client_liveness: float = typer.Option(10.0, help="Seconds a client with live requests may stay silent."),
+    encode_lease: float = typer.Option(60.0, help="Seconds an encoder may hold a job before it is re-queued."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -45,7 +49,9 @@ def broker(
     setup_logging("info", log_format)
     cfg = BrokerConfig(
         address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
-        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, keys_dir=keys_dir, insecure=insecure,
+        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
+        liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease, keys_dir=keys_dir,
+        insecure=insecure,
     )  # fmt: skip
     _run(serve_broker(cfg))
 
@@ -64,6 +70,7 @@ def worker(
     ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
     engine: str = typer.Option("auto", help="auto (transformers vision tower / vLLM) or noop (no model)."),
+    heartbeat: float = typer.Option(1.0, help="Heartbeat interval to the broker, seconds."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -76,7 +83,8 @@ def worker(
     setup_logging("info", log_format)
     cfg = WorkerConfig(
         role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype,
-        fetch_bind=fetch_bind, threads=threads, engine=engine, keys_dir=keys_dir, insecure=insecure,
+        fetch_bind=fetch_bind, threads=threads, engine=engine, heartbeat_s=heartbeat, keys_dir=keys_dir,
+        insecure=insecure,
     )  # fmt: skip
     _run(serve_worker(cfg))
 

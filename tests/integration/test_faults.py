@@ -194,3 +194,42 @@ async def test_dead_broker_fails_inflight_requests_typed(tmp_path):
             with pytest.raises(BrokerUnavailableError, match="silent"):
                 await inflight
             assert time.monotonic() - t0 < 5  # heartbeat 0.2 s x liveness 5, not the 60 s deadline
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+async def test_overload_stays_bounded_and_admitted_requests_finish(tmp_path):
+    """Offered load far above capacity: typed busy answers, bounded queue, flat broker memory."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(max_queued_requests=8, busy_retry_after_s=0.1),
+        worker_defaults={"engine": "noop", "capacity": 2, "noop_token_s": 0.02},
+    )  # fmt: skip
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        broker_pid = cluster.child("broker").proc.pid
+        image = demo_image(7, (64, 64))
+
+        async def one(i: int):
+            t0 = time.monotonic()
+            try:
+                r = await c.generate(f"load {i}", images=[image], max_tokens=5, timeout=10)
+                return ("ok", time.monotonic() - t0, r)
+            except BusyError as e:
+                assert e.retry_after == 0.1
+                return ("busy", time.monotonic() - t0, None)
+
+        rss = []
+        for wave in range(3):
+            outs = await asyncio.gather(*(one(wave * 1000 + i) for i in range(400)))
+            rss.append(_rss_kib(broker_pid))
+            ok = [o for o in outs if o[0] == "ok"]
+            busy = [o for o in outs if o[0] == "busy"]
+            assert len(ok) + len(busy) == 400
+            assert len(busy) > 300 and len(ok) >= 8  # a burst: the queue (8) admits, the rest is told busy
+            assert all(dt < 10 for _, dt, _ in ok)  # admitted ones finish well within the deadline
+            assert all(len(r.token_ids) == 5 for _, _, r in ok)
+        s = await c.stats()
+        assert s["gauges"]["requests_queued"] == 0 and s["counters"]["busy_rejections"] > 900
+        assert rss[-1] - rss[0] < 20 * 1024, f"broker RSS grew {rss} KiB"
