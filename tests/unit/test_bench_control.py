@@ -1,0 +1,41 @@
+"""The control-plane benchmark runs end to end at a tiny size (no timing assertions)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("aiohttp")
+pytest.importorskip("matplotlib")
+
+from epdq.benchmarks import control  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def test_control_benchmark_small(tmp_path, capsys):
+    data = control.run(concurrency=(1, 4), requests=50, out_dir=tmp_path, progress=False)
+
+    out = capsys.readouterr().out
+    assert "req/s" in out and "Targets" in out
+    saved = json.loads((tmp_path / "control.json").read_text())
+    assert saved["benchmark"] == "control"
+    png = tmp_path / "control.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    cells = {(r["system"], r["workload"], r["concurrency"]) for r in saved["results"]}
+    for c in (1, 4):
+        for wl in ("miss", "hit", "text"):
+            assert ("epdq", wl, c) in cells
+        for system in ("http-vllm", "http-keepalive"):
+            for wl in ("image", "text"):
+                assert (system, wl, c) in cells
+    for r in saved["results"]:
+        assert r["requests"] == 50 and r["ok"] == 50 and r["errors"] == 0, r
+        assert r["rps"] > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"]
+    assert len(saved["ratios"]) == 2 * 3 * 2  # 2 concurrencies x 3 epdq workloads x 2 baselines
+    assert saved["targets"] and data["results"] == saved["results"]
+    # hits really skipped the encoder: the broker encoded only the fresh images (warm-up included)
+    counters = saved["epdq_broker_counters"]
+    assert counters.get("encodes_done", 0) == 2 * 50
