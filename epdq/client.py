@@ -34,6 +34,7 @@ from epdq.transport import Channel, make_socket
 
 # how long past the request deadline the client waits for the broker's own deadline error
 _GRACE_S = 2.0
+_ZERO_COPY_BYTES = 64 * 1024  # below this, ZeroMQ copies anyway and Frame objects only cost
 
 
 @dataclass(slots=True)
@@ -97,6 +98,8 @@ class AsyncClient:
         self._broker_id: str | None = None
         self._pinger: asyncio.Task | None = None
         self.reconnects = 0
+        self._rid_prefix = uuid.uuid4().hex[:16] + "-"  # unique per client; a counter after it
+        self._rids = itertools.count(1)
         self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
 
     async def __aenter__(self) -> AsyncClient:
@@ -122,7 +125,7 @@ class AsyncClient:
 
     def _open(self) -> None:
         sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security)
-        self._channel = Channel(sock, self._on_frames)
+        self._channel = Channel(sock, self._on_frames, copy=True)  # token messages are small
         self._channel.start()
         self._last_heard = time.monotonic()
 
@@ -266,7 +269,7 @@ class AsyncClient:
         sampling = P.Sampling(
             int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()), bool(ignore_eos)
         )
-        rid = uuid.uuid4().hex
+        rid = f"{self._rid_prefix}{next(self._rids):x}"
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -276,7 +279,7 @@ class AsyncClient:
         n_tokens = 0
         done = False
         try:
-            ch.send(P.encode(sub) + blobs, copy=not blobs)
+            ch.send(P.encode(sub) + blobs, copy=sum(len(b) for b in blobs) < _ZERO_COPY_BYTES)
             deadline = time.monotonic() + timeout + _GRACE_S
             while True:
                 try:

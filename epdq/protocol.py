@@ -305,9 +305,13 @@ SCHEMAS: dict[MsgType, type[_S]] = {
     MsgType.FETCHED: Fetched,
 }
 TYPE_OF: dict[type[_S], MsgType] = {cls: t for t, cls in SCHEMAS.items()}
+_TYPE_BY_VALUE = {int(t) for t in MsgType}
 _TYPE_FRAMES: dict[MsgType, bytes] = {t: bytes([t]) for t in MsgType}
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in SCHEMAS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
+# indexed by the type byte: no enum construction per message on the hot path
+_DECODER_BY_BYTE = [_DECODERS.get(b) for b in range(256)]  # type: ignore[call-overload]
+_NAME_BY_BYTE = [MsgType(b).name if b in _TYPE_BY_VALUE else "" for b in range(256)]
 
 
 def encode(msg: _S) -> list[Any]:
@@ -338,23 +342,23 @@ def decode(frames: list[Any], *, max_payload_frames: int = MAX_PAYLOAD_FRAMES) -
     tb = memoryview(frames[0])
     if tb.nbytes != 1:
         raise ProtocolError("type frame must be exactly one byte")
-    try:
-        mtype = MsgType(tb[0])
-    except ValueError:
-        raise ProtocolError(f"unknown message type {tb[0]}") from None
+    decoder = _DECODER_BY_BYTE[tb[0]]
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {tb[0]}")
+    name = _NAME_BY_BYTE[tb[0]]
     header = frames[1]
     if memoryview(header).nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header larger than {MAX_HEADER_BYTES} bytes")
     try:
-        msg = _DECODERS[mtype].decode(header)
+        msg = decoder.decode(header)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ProtocolError(f"bad {mtype.name} header: {e}") from None
+        raise ProtocolError(f"bad {name} header: {e}") from None
     payload = frames[2:]
     want = payload_count(msg)
     if want < 0 or want > max_payload_frames:
-        raise ProtocolError(f"{mtype.name} declares {want} payload frames (limit {max_payload_frames})")
+        raise ProtocolError(f"{name} declares {want} payload frames (limit {max_payload_frames})")
     if len(payload) != want:
-        raise ProtocolError(f"{mtype.name} declares {want} payload frames, got {len(payload)}")
+        raise ProtocolError(f"{name} declares {want} payload frames, got {len(payload)}")
     return msg, payload
 
 

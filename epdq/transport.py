@@ -104,11 +104,15 @@ class Channel:
         *,
         batch: int = 512,
         on_error: Callable[[BaseException], None] | None = None,
+        copy: bool = False,
     ) -> None:
+        """`copy=False` receives zmq.Frames (zero-copy: for peers that send large payloads);
+        `copy=True` receives bytes, cheaper for small messages."""
         self.sock = sock
         self._handler = handler
         self._batch = batch
         self._on_error = on_error
+        self._copy = copy
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = sock.getsockopt(zmq.FD)
         self._check_scheduled = False
@@ -133,7 +137,7 @@ class Channel:
             return
         for _ in range(self._batch):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=self._copy)
             except zmq.Again:
                 return
             except zmq.ZMQError as e:

@@ -37,6 +37,7 @@ class BrokerLink:
         on_registered: Callable[[bool], None] | None = None,
         heartbeat: Callable[[], P.Heartbeat] | None = None,
         security: SecurityConfig | None = None,
+        copy: bool = False,
     ) -> None:
         self.address = address
         self.register = register
@@ -45,6 +46,7 @@ class BrokerLink:
         self._on_registered = on_registered
         self.registrations = 0
         self._security = security
+        self._copy = copy  # receive bytes (small messages) instead of zero-copy frames
         self._make_heartbeat = heartbeat or P.Heartbeat
         self.rejected = 0  # malformed messages received
         self.heartbeat_s = heartbeat_s
@@ -67,7 +69,7 @@ class BrokerLink:
             self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
             max_message_bytes=self._max_bytes, security=self._security,
         )  # fmt: skip
-        self._channel = Channel(sock, self._on_frames)
+        self._channel = Channel(sock, self._on_frames, copy=self._copy)
         self._channel.start()
         self._last_heard = time.monotonic()
         self.registered.clear()

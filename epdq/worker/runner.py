@@ -183,7 +183,7 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
         )
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
-            security=security,
+            security=security, copy=not colocated,
         )  # fmt: skip
         worker.link = link
         link.start()
