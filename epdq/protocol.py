@@ -56,6 +56,8 @@ class MsgType(IntEnum):
     # pd <-> encoder (remote fetch of ring bytes)
     FETCH = 50
     FETCHED = 51
+    # any direction: several messages to one peer in one ZeroMQ message (see split_batch)
+    BATCH = 60
 
 
 class _S(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
@@ -275,6 +277,42 @@ class Fetched(_S):
     nonce: int
     code: str = ""  # "" on success, then one payload frame follows
     message: str = ""
+
+
+class Batch(_S):
+    counts: list[int]  # frames of each message, in order; the messages' frames follow
+
+
+MAX_BATCH = 4096
+BATCH_TYPE = bytes([MsgType.BATCH])
+_BATCH_DECODER = msgspec.msgpack.Decoder(Batch)
+
+
+def pack_batch(bodies: list[list[Any]]) -> list[Any]:
+    """One message carrying several (`[type, header, *payload]` each) to the same peer."""
+    frames: list[Any] = [BATCH_TYPE, _ENCODER.encode(Batch([len(b) for b in bodies]))]
+    for b in bodies:
+        frames.extend(b)
+    return frames
+
+
+def split_batch(frames: list[Any]) -> list[list[Any]]:
+    """The messages inside a BATCH message (its type frame already checked); ProtocolError if bad."""
+    if len(frames) < 2:
+        raise ProtocolError("batch without a header")
+    try:
+        counts = _BATCH_DECODER.decode(frames[1]).counts
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError(f"bad BATCH header: {e}") from None
+    if not 0 < len(counts) <= MAX_BATCH or any(not 2 <= c <= MAX_PAYLOAD_FRAMES + 2 for c in counts):
+        raise ProtocolError("bad BATCH frame counts")
+    if sum(counts) != len(frames) - 2:
+        raise ProtocolError("BATCH frame counts do not add up")
+    out, i = [], 2
+    for c in counts:
+        out.append(frames[i : i + c])
+        i += c
+    return out
 
 
 # ---------------------------------------------------------------- codec

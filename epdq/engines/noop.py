@@ -47,6 +47,7 @@ class NoopVisionEngine:
             raise ValueError("hidden_size must be >= 1 and cost_s >= 0")
         self.hidden_size = hidden_size
         self.cost_s = cost_s
+        self.inline = cost_s == 0  # nothing to wait for: the encoder may call it on its loop
 
     def encode(self, images: list) -> list[EncodedImage]:
         if self.cost_s:
@@ -109,7 +110,7 @@ class NoopPDEngine:
         if image_embeds is not None:
             if self.expected_embed_rows(image_grid_thw) != image_embeds.shape[0]:
                 raise InvalidInputError("embedding rows do not match the grids")
-            h.update(image_embeds.contiguous().numpy().tobytes())
+            h.update(memoryview(image_embeds.contiguous().numpy()).cast("B"))
         state = int.from_bytes(h.digest(), "little")
         self._active.add(request_id)
         try:

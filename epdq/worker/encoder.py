@@ -147,8 +147,7 @@ class EncoderWorker:
         if not good:
             return
         try:
-            # the forward runs in a thread so heartbeats and fetches keep flowing
-            outs = await asyncio.to_thread(self.engine.encode, images)
+            outs = await self._call_engine(images)
         except Exception as e:
             if len(good) > 1:
                 # one bad image must not fail its batch-mates: encode them one by one
@@ -167,12 +166,18 @@ class EncoderWorker:
     async def _encode_one(self, job: _Job, image: Any) -> None:
         t0 = time.perf_counter()
         try:
-            (out,) = await asyncio.to_thread(self.engine.encode, [image])
+            (out,) = await self._call_engine([image])
         except Exception as e:
             self._fail(job, _as_epdq_error(e))
             return
         if self._blocked or not self._store(job, out, time.perf_counter() - t0):
             self._blocked.append((job, out, time.perf_counter() - t0))
+
+    async def _call_engine(self, images: list) -> list[EncodedImage]:
+        if getattr(self.engine, "inline", False):  # cheap engines: a thread hop would cost more
+            return self.engine.encode(images)
+        # a real forward runs in a thread so heartbeats and fetches keep flowing
+        return await asyncio.to_thread(self.engine.encode, images)
 
     def _store(self, job: _Job, out: EncodedImage, encode_s: float) -> bool:
         try:

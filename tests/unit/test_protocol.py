@@ -24,6 +24,7 @@ def test_every_message_round_trips():
         P.PdFailed("r", "stale", "m", [P.EntryId(b"k", 1)]), P.Fetch(1, b"k", 2, 0, 10), P.Fetched(1, "stale", "x"),
     ]  # fmt: skip
     assert {type(m) for m in samples} == set(P.SCHEMAS.values())
+    assert P.MsgType.BATCH not in P.SCHEMAS  # a container, split by the transport
     for m in samples:
         frames = P.encode(m) + [b"payload"] * P.payload_count(m)
         got, payload = P.decode(frames)
@@ -83,3 +84,22 @@ def test_validate_messages():
 def test_messages_to_openai():
     out = P.messages_to_openai(_submit(1).messages)
     assert out == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+
+
+def test_batch_round_trip_and_malformed_batches():
+    bodies = [P.encode(P.Cancel("a")), P.encode(_submit(1)) + [b"img"], P.encode(P.Ping(3))]
+    frames = P.pack_batch(bodies)
+    assert frames[0] == P.BATCH_TYPE
+    parts = P.split_batch(frames)
+    assert parts == bodies
+    assert [P.decode(p)[0] for p in parts] == [P.Cancel("a"), _submit(1), P.Ping(3)]
+    for bad in (
+        [P.BATCH_TYPE],
+        [P.BATCH_TYPE, b"junk"],
+        [P.BATCH_TYPE, msgspec.msgpack.encode([[2, 2]]), b"a", b"b", b"c"],
+        [P.BATCH_TYPE, msgspec.msgpack.encode([[1]]), b"a"],
+        [P.BATCH_TYPE, msgspec.msgpack.encode([[]])],
+        [P.BATCH_TYPE, msgspec.msgpack.encode([[10**9]]), b"a", b"b"],
+    ):
+        with pytest.raises(ProtocolError):
+            P.split_batch(bad)
