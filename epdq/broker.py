@@ -38,6 +38,7 @@ from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket
 log = logging.getLogger("epdq.broker")
 
 MAX_TOKENS_LIMIT = 32768
+_ZERO_COPY_BYTES = 64 * 1024  # smaller payloads are copied by ZeroMQ anyway
 
 
 @dataclass(slots=True)
@@ -117,7 +118,10 @@ class Broker:
             self._ctx, zmq.ROUTER, bind=self.cfg.address,
             max_message_bytes=self.cfg.max_image_bytes + (1 << 20), security=security,
         )  # fmt: skip
-        self.channel = Channel(sock, self._on_frames, on_error=self._on_handler_error)
+        self.channel = Channel(
+            sock, self._on_frames, on_error=self._on_handler_error, coalesce=True,
+            on_unreachable=self._peer_unreachable,
+        )  # fmt: skip
         self.endpoint = bound_endpoint(sock)
         return self.endpoint
 
@@ -159,8 +163,8 @@ class Broker:
                     if peer.last_seen < dead:
                         log.warning("worker %s missed %d heartbeats", peer.worker_id, self.cfg.liveness)
                         self._drop_worker(peer, "missed heartbeats")
-                    elif not self._send_raw(peer.identity, hb):
-                        self._drop_worker(peer, "unreachable (disconnected)")
+                    else:
+                        self._send_raw(peer.identity, hb)  # a vanished worker is dropped on send
             self._flush()
 
     def _expire_clients(self, now: float) -> None:
@@ -409,22 +413,32 @@ class Broker:
         peer = self._by_id.get(worker_id)
         if peer is None:
             return
-        if not self._send(peer.identity, msg, payload):
-            self._drop_worker(peer, "unreachable")
+        self._send(peer.identity, msg, payload)
 
     def _send(self, identity: bytes, msg: Any, payload: list[Any] = ()) -> bool:
         return self._send_raw(identity, P.encode(msg), payload)
 
     def _send_raw(self, identity: bytes, frames: list[Any], payload: list[Any] = ()) -> bool:
+        """Queue a message (sent, batched per peer, at the end of this loop turn)."""
         assert self.channel is not None
+        big = sum(memoryview(f).nbytes for f in payload) >= _ZERO_COPY_BYTES
         try:
-            self.channel.send([identity, *frames, *payload], copy=not payload)
+            self.channel.send([identity, *frames, *payload], copy=not big)
         except PeerUnreachable:
-            if identity in self._clients:
-                for rid in list(self._clients.pop(identity, ())):
-                    self.scheduler.cancel(rid, identity)  # client gone: its work is aborted
+            self._peer_unreachable(identity)
             return False
         return True
+
+    def _peer_unreachable(self, identity: bytes) -> None:
+        """ZeroMQ has no pipe to this peer any more: it disconnected (or died)."""
+        peer = self.workers.get(identity)
+        if peer is not None:
+            self._drop_worker(peer, "unreachable (disconnected)")
+        elif identity in self._clients:
+            for rid in list(self._clients.pop(identity, ())):
+                self.scheduler.cancel(rid, identity)  # client gone: its work is aborted
+            self._client_seen.pop(identity, None)
+        self._flush()
 
     def _drop_worker(self, peer: _Peer, reason: str) -> None:
         if self.workers.get(peer.identity) is peer:

@@ -125,7 +125,8 @@ class AsyncClient:
 
     def _open(self) -> None:
         sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security)
-        self._channel = Channel(sock, self._on_frames, copy=True)  # token messages are small
+        # token messages are small: receive bytes; batch what we send per loop turn
+        self._channel = Channel(sock, self._on_frames, copy=True, coalesce=True)
         self._channel.start()
         self._last_heard = time.monotonic()
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import zmq
 
+from epdq.errors import ProtocolError
+from epdq.protocol import BATCH_TYPE, pack_batch, split_batch
 from epdq.security import SecurityConfig, apply_client, apply_server, curve_required, ensure_authenticator
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,11 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return ep.decode() if isinstance(ep, bytes) else str(ep)
 
 
+def _is_batch(type_frame: Any) -> bool:
+    mv = memoryview(type_frame)
+    return mv.nbytes == 1 and mv[0] == BATCH_TYPE[0]
+
+
 class Channel:
     """Drive one socket from the running loop: `handler(frames)` for every message received."""
 
@@ -105,14 +112,25 @@ class Channel:
         batch: int = 512,
         on_error: Callable[[BaseException], None] | None = None,
         copy: bool = False,
+        coalesce: bool = False,
+        on_unreachable: Callable[[bytes], None] | None = None,
     ) -> None:
         """`copy=False` receives zmq.Frames (zero-copy: for peers that send large payloads);
-        `copy=True` receives bytes, cheaper for small messages."""
+        `copy=True` receives bytes, cheaper for small messages.
+
+        `coalesce=True` defers sends to the end of the loop turn and packs the messages for one
+        peer into one BATCH message: one ZeroMQ send and one peer wake-up instead of dozens. A
+        ROUTER peer found gone at that point is reported to `on_unreachable(identity)`."""
         self.sock = sock
         self._handler = handler
         self._batch = batch
         self._on_error = on_error
         self._copy = copy
+        self._coalesce = coalesce
+        self._on_unreachable = on_unreachable
+        self._routed = sock.type == zmq.ROUTER
+        self._out: dict[bytes, list[tuple[list[Any], bool]]] = {}
+        self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = sock.getsockopt(zmq.FD)
         self._check_scheduled = False
@@ -145,18 +163,68 @@ class Channel:
                     return
                 raise
             self.received += 1
-            try:
-                self._handler(frames)
-            except Exception as e:  # one bad message must never stop the loop
-                if self._on_error is not None:
-                    self._on_error(e)
-                else:
-                    log.exception("message handler failed")
+            tf = frames[1] if self._routed else frames[0]
+            if len(frames) > 1 + self._routed and _is_batch(tf):
+                self._deliver_batch(frames)
+            else:
+                self._deliver(frames)
             if self.closed:
                 return
         self._schedule_check()  # batch exhausted: yield to other tasks, then continue
 
+    def _deliver(self, frames: list[Any]) -> None:
+        try:
+            self._handler(frames)
+        except Exception as e:  # one bad message must never stop the loop
+            if self._on_error is not None:
+                self._on_error(e)
+            else:
+                log.exception("message handler failed")
+
+    def _deliver_batch(self, frames: list[Any]) -> None:
+        head = frames[:1] if self._routed else []
+        try:
+            parts = split_batch(frames[len(head) :])
+        except ProtocolError as e:
+            self._deliver(head + [frames[len(head)], b""])  # the handler counts it as malformed
+            log.debug("bad batch: %s", e)
+            return
+        for part in parts:
+            self._deliver(head + part)
+            if self.closed:
+                return
+
     def send(self, frames: list[Any], *, copy: bool = True) -> None:
+        if self._coalesce:
+            dest = bytes(frames[0]) if self._routed else b""
+            self._out.setdefault(dest, []).append((frames[1:] if self._routed else frames, copy))
+            if not self._flush_scheduled and self._loop is not None:
+                self._flush_scheduled = True
+                self._loop.call_soon(self.flush)
+            return
+        self._send_now(frames, copy)
+
+    def flush(self) -> None:
+        """Send everything deferred by `coalesce` (also called on close)."""
+        self._flush_scheduled = False
+        out, self._out = self._out, {}
+        for dest, msgs in out.items():
+            if self.closed:
+                return
+            head = [dest] if self._routed else []
+            if len(msgs) == 1:
+                body, copy = msgs[0]
+            else:
+                body, copy = pack_batch([m for m, _ in msgs]), all(c for _, c in msgs)
+            try:
+                self._send_now(head + body, copy)
+            except PeerUnreachable:
+                if self._on_unreachable is not None:
+                    self._on_unreachable(dest)
+            except zmq.ZMQError as e:
+                log.warning("send to %r failed: %s", dest[:16], e)
+
+    def _send_now(self, frames: list[Any], copy: bool) -> None:
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as e:
@@ -171,6 +239,8 @@ class Channel:
         """Close; `linger_ms` > 0 gives a last message (a BYE) time to leave."""
         if self.closed:
             return
+        if self._out:
+            self.flush()
         self.closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:

@@ -69,7 +69,7 @@ class BrokerLink:
             self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
             max_message_bytes=self._max_bytes, security=self._security,
         )  # fmt: skip
-        self._channel = Channel(sock, self._on_frames, copy=self._copy)
+        self._channel = Channel(sock, self._on_frames, copy=self._copy, coalesce=True)
         self._channel.start()
         self._last_heard = time.monotonic()
         self.registered.clear()

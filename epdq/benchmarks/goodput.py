@@ -1,0 +1,490 @@
+"""Goodput of EPD (1 encoder + N PD workers) against N+1 colocated workers, under latency SLOs.
+
+Workload: Poisson arrivals, images per request, prompt and output lengths, a fraction of images
+drawn from a small hot set (repeats). Measured per offered load: TTFT and TPOT p50/p99, and the
+rate of requests that finished within BOTH SLOs. A load point "meets the SLOs" when every request
+finished and P99 TTFT and P99 TPOT are within them. **Goodput** is the within-SLO completion rate
+at the highest offered load that meets the SLOs (found on a grid, then refined by bisection).
+
+Two kinds:
+
+* `cost` (default): a discrete-event simulation (`epdq.benchmarks.costmodel`) in which the REAL
+  scheduler (`epdq.scheduler.Scheduler`, injected clock) takes every dispatch decision and the
+  workers' service times come from a documented cost model (no model, no sleeping). The colocated
+  engine pays the vision encoder inside its steps; EPD's encoder runs on its own accelerator.
+  Scenarios: 4 images per request, EPD 1E+3PD vs 4 colocated (vLLM's setup); and a
+  repeated-image workload (half the images from a hot set of 32) with the embedding cache vs the
+  cache disabled (every image unique), plus the colocated baseline for context.
+  SLOs: vLLM's EPD evaluation uses P99 TTFT <= 20 s and P99 TPOT <= 100 ms for a 4B model; they
+  are scaled for the small model of the cost model: TPOT SLO = `tpot_slack` x its unloaded TPOT,
+  TTFT SLO = 20 s x (TPOT SLO / 100 ms). A sensitivity table shows the EPD/colocated ratio as the
+  TPOT slack varies (the ratio is a tail-latency isolation effect; see the notes in the output).
+* `real` (`--real`): the tiny random Qwen2-VL on CPU, real processes (`epdq.cluster.Cluster`:
+  1 encoder, 1 PD, 1 colocated worker), a short Poisson run per offered load on route "epd" and
+  route "colocated". The tiny model's vision tower is cheap, so no large EPD gain is expected.
+
+`python -m epdq.benchmarks.goodput [--real] [--quick]` prints the tables and writes
+`bench-results/goodput.json` and `goodput.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
+from epdq.benchmarks.report import Progress, percentile, table, write_json
+
+VLLM_TTFT_SLO_S = 20.0
+VLLM_TPOT_SLO_S = 0.100
+
+
+def scaled_slos(cm: CostModel, tpot_slack: float) -> tuple[float, float]:
+    """(TTFT SLO, TPOT SLO) for the cost model: vLLM's SLOs scaled to this model's decode speed."""
+    unloaded_tpot = cm.step_s + cm.decode_s_per_seq
+    tpot = tpot_slack * unloaded_tpot
+    return VLLM_TTFT_SLO_S * tpot / VLLM_TPOT_SLO_S, tpot
+
+
+# ---------------------------------------------------------------- cost kind
+
+
+class _Sweep:
+    """Load sweep of one system + scenario, with a bisection for the highest load meeting the SLOs."""
+
+    def __init__(self, name: str, system: str, cm: CostModel, wl: Workload, *, ttft_slo: float, tpot_slo: float,
+                 window_s: float, min_requests: int, unique_keys: bool = False, sizes: dict | None = None,
+                 tick=lambda: None) -> None:  # fmt: skip
+        self.name, self.system, self.cm, self.wl = name, system, cm, wl
+        self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
+        self.window_s, self.min_requests = window_s, min_requests
+        self.unique_keys = unique_keys
+        self.sizes = sizes or {}
+        self.points: dict[float, PointResult] = {}
+        self.tick = tick
+
+    def point(self, qps: float) -> PointResult:
+        qps = round(qps, 3)
+        if qps not in self.points:
+            n = max(self.min_requests, int(qps * self.window_s))
+            self.points[qps] = simulate_point(
+                self.system, self.cm, self.wl, qps, n, ttft_slo=self.ttft_slo, tpot_slo=self.tpot_slo,
+                unique_keys=self.unique_keys, **self.sizes,
+            )  # fmt: skip
+            self.tick()
+        return self.points[qps]
+
+    def goodput(self, grid: list[float], refine: int) -> dict[str, Any]:
+        best, fail = None, None
+        for q in grid:
+            if self.point(q).meets_slo:
+                best = q
+            else:
+                fail = q
+                break
+        if best is not None and fail is not None:
+            lo, hi = best, fail
+            for _ in range(refine):
+                mid = (lo + hi) / 2
+                if self.point(mid).meets_slo:
+                    lo = mid
+                else:
+                    hi = mid
+            best = round(lo, 3)
+        if best is None:
+            return {"max_qps_meeting_slo": 0.0, "goodput_rps": 0.0, "saturated_grid": False}
+        p = self.points[round(best, 3)]
+        return {"max_qps_meeting_slo": best, "goodput_rps": p.goodput_rps, "saturated_grid": fail is None}
+
+    def curve(self) -> list[dict[str, Any]]:
+        out = []
+        for q in sorted(self.points):
+            d = asdict(self.points[q])
+            extra = d.pop("extra")
+            d["engine_util_mean"] = _mean(extra["engine_util"].values())
+            d["engine_encode_share_mean"] = _mean(extra["engine_encode_share"].values())
+            d["encoder_util"] = _mean(extra["encoder_util"].values()) if extra["encoder_util"] else None
+            d["encoder_mean_batch"] = (
+                _mean(extra["encoder_mean_batch"].values()) if extra["encoder_mean_batch"] else None
+            )
+            d["cache_hits"] = extra["counters"]["cache_hits"]
+            d["dedup_joins"] = extra["counters"]["dedup_joins"]
+            d["encodes_done"] = extra["counters"]["encodes_done"]
+            out.append(d)
+        return out
+
+
+def _mean(vals) -> float:
+    vals = list(vals)
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def run_cost(
+    *, n_pd: int = 3, images_per_request: int = 4, image_size: tuple[int, int] = (512, 512), text_tokens: int = 128,
+    output_tokens: int = 128, repeat_fraction: float = 0.5, hot_set: int = 32, tpot_slack: float = 1.5,
+    ttft_slo: float | None = None, tpot_slo: float | None = None, qps_grid: list[float] | None = None,
+    window_s: float = 120.0, min_requests: int = 200, refine: int = 4, sensitivity: list[float] | None = None,
+    cost: CostModel | None = None, seed: int = 0, progress=None,
+) -> dict[str, Any]:  # fmt: skip
+    cm = cost or CostModel()
+    t_slo, p_slo = scaled_slos(cm, tpot_slack)
+    ttft_slo = ttft_slo if ttft_slo is not None else t_slo
+    tpot_slo = tpot_slo if tpot_slo is not None else p_slo
+    grid = qps_grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
+    sensitivity = (
+        [1.25, 1.5, 2.0, 3.0, VLLM_TPOT_SLO_S / (cm.step_s + cm.decode_s_per_seq)]
+        if sensitivity is None
+        else sensitivity
+    )
+    wl4 = Workload(images_per_request, image_size, text_tokens, output_tokens, 0.0, hot_set, seed)
+    wlr = replace(wl4, repeat_fraction=repeat_fraction)
+    sizes = {"encoders": 1, "pds": n_pd, "both": n_pd + 1}
+    n_sweeps = 5 + 2 * len(sensitivity)
+    bar = (
+        progress
+        if progress is not None
+        else Progress(n_sweeps * (len(grid) // 2 + refine), "goodput (cost model)")
+    )
+    common = dict(window_s=window_s, min_requests=min_requests, sizes=sizes, tick=bar.advance)
+    sweeps = {
+        "epd_4img": _Sweep("epd_4img", "epd", cm, wl4, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **common),
+        "colocated_4img": _Sweep(
+            "colocated_4img", "colocated", cm, wl4, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **common
+        ),
+        "epd_repeat_cache": _Sweep(
+            "epd_repeat_cache", "epd", cm, wlr, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **common
+        ),
+        "epd_repeat_nocache": _Sweep(
+            "epd_repeat_nocache",
+            "epd",
+            cm,
+            wlr,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
+            unique_keys=True,
+            **common,
+        ),  # fmt: skip
+        "colocated_repeat": _Sweep(
+            "colocated_repeat", "colocated", cm, wlr, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **common
+        ),
+    }
+    summary = {name: s.goodput(grid, refine) for name, s in sweeps.items()}
+    sens = []
+    for slack in sensitivity:
+        ts, ps = scaled_slos(cm, slack)
+        g = {}
+        for system in ("epd", "colocated"):
+            s = _Sweep(f"{system}_slack", system, cm, wl4, ttft_slo=ts, tpot_slo=ps, **common)
+            g[system] = s.goodput(grid, refine)["goodput_rps"]
+        sens.append({"tpot_slack": round(slack, 2), "ttft_slo_s": ts, "tpot_slo_s": ps, "epd_goodput": g["epd"],
+                     "colocated_goodput": g["colocated"], "ratio": _ratio(g["epd"], g["colocated"])})  # fmt: skip
+    if progress is None:
+        bar.advance(bar.total - bar.done)
+    e4, c4 = summary["epd_4img"]["goodput_rps"], summary["colocated_4img"]["goodput_rps"]
+    rc, rn = summary["epd_repeat_cache"]["goodput_rps"], summary["epd_repeat_nocache"]["goodput_rps"]
+    sz = [image_size] * images_per_request
+    return {
+        "kind": "cost",
+        "method": "discrete-event simulation; every dispatch decision by the real epdq.scheduler.Scheduler "
+        "(injected clock); worker service times from the cost model (no model, no sleeping)",
+        "cost_model": cm.describe(),
+        "unloaded": {
+            "encode_request_s": cm.encode_s(sz),
+            "prefill_request_s": (sum(cm.image_tokens(*s) for s in sz) + text_tokens)
+            * cm.prefill_s_per_token,
+            "tpot_s": cm.step_s + cm.decode_s_per_seq,
+        },
+        "workload": asdict(wl4) | {"repeat_workload": asdict(wlr)},
+        "systems": {"epd": f"1 encoder + {n_pd} PD", "colocated": f"{n_pd + 1} colocated"},
+        "slo": {
+            "ttft_p99_s": ttft_slo,
+            "tpot_p99_s": tpot_slo,
+            "tpot_slack": tpot_slack,
+            "rule": "TPOT SLO = tpot_slack x unloaded TPOT; TTFT SLO = 20 s x TPOT SLO / 100 ms (vLLM's SLOs scaled)",
+        },  # fmt: skip
+        "summary": summary,
+        "epd_over_colocated_4img": _ratio(e4, c4),
+        "cache_gain": _ratio(rc, rn),
+        "sensitivity_tpot_slack": sens,
+        "curves": {name: s.curve() for name, s in sweeps.items()},
+        "window_s": window_s,
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (math.inf if a > 0 else math.nan)
+
+
+def _print_cost(res: dict[str, Any]) -> None:
+    s = res["summary"]
+    slo = res["slo"]
+    u = res["unloaded"]
+    print(f"\nCost model (simulated, real scheduler): encode 4 images {u['encode_request_s'] * 1e3:.0f} ms, "
+          f"prefill {u['prefill_request_s'] * 1e3:.0f} ms, unloaded TPOT {u['tpot_s'] * 1e3:.1f} ms; "
+          f"SLO P99 TTFT <= {slo['ttft_p99_s']:.2f} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
+    labels = {
+        "epd_4img": f"EPD {res['systems']['epd']}, 4 img/req",
+        "colocated_4img": f"{res['systems']['colocated']}, 4 img/req",
+        "epd_repeat_cache": "EPD, 50% repeated images, cache",
+        "epd_repeat_nocache": "EPD, 50% repeated images, no cache",
+        "colocated_repeat": "colocated, 50% repeated images",
+    }
+    rows = []
+    for name, label in labels.items():
+        g = s[name]
+        p = next((c for c in res["curves"][name] if c["offered_qps"] == g["max_qps_meeting_slo"]), None)
+        rows.append([label, g["max_qps_meeting_slo"], g["goodput_rps"],
+                     p["ttft_p50"] if p else math.nan, p["ttft_p99"] if p else math.nan,
+                     p["tpot_p50"] * 1e3 if p else math.nan, p["tpot_p99"] * 1e3 if p else math.nan])  # fmt: skip
+    print(table(["system", "max QPS in SLO", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
+                 "TPOT p99 ms"], rows, title="Goodput (at the highest offered load meeting both P99 SLOs)"))  # fmt: skip
+    print(
+        f"EPD / colocated goodput, 4 images per request: {res['epd_over_colocated_4img']:.2f}x; "
+        f"cache gain on the repeated-image workload: {res['cache_gain']:.2f}x"
+    )
+    for name in ("epd_4img", "colocated_4img"):
+        rows = [[c["offered_qps"], c["goodput_rps"], c["ttft_p50"], c["ttft_p99"], c["tpot_p50"] * 1e3,
+                 c["tpot_p99"] * 1e3, c["engine_util_mean"], c["engine_encode_share_mean"],
+                 "yes" if c["meets_slo"] else "no"] for c in res["curves"][name]]  # fmt: skip
+        print(table(["offered QPS", "goodput", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "engine busy",
+                     "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
+    rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], r["epd_goodput"], r["colocated_goodput"],
+             f"{r['ratio']:.2f}x"] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
+    print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
+                rows, title="Sensitivity: EPD/colocated goodput (4 img/req) vs how tight the TPOT SLO is"))  # fmt: skip
+
+
+# ---------------------------------------------------------------- real kind
+
+
+async def _real_async(*, qps_list: list[float], requests_per_point: int, images_per_request: int,
+                      image_size: tuple[int, int], max_tokens: int, ttft_slo: float, tpot_slo: float,
+                      model: str, log, seed: int) -> dict[str, Any]:  # fmt: skip
+    import tempfile
+
+    from epdq.cluster import Cluster, ClusterSpec
+    from epdq.demo import demo_image
+
+    with tempfile.TemporaryDirectory(prefix="epdq-goodput-") as d:
+        spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=1, pds=1, both=1, model=model,
+                           log_dir=f"{d}/logs", start_timeout_s=400)  # fmt: skip
+        cluster = Cluster(spec)
+        t0 = time.perf_counter()
+        try:
+            await cluster.start(progress=log)
+            startup = time.perf_counter() - t0
+            points = []
+            async with cluster.client(timeout=120) as c:
+                await c.generate("warm up", images=[demo_image(1, image_size)], max_tokens=2, route="epd")
+                await c.generate(
+                    "warm up", images=[demo_image(2, image_size)], max_tokens=2, route="colocated"
+                )
+                img_seed = 1000
+                for qps in qps_list:
+                    for route in ("epd", "colocated"):
+                        rng = random.Random(seed + int(qps * 100))
+                        imgs = []
+                        for _ in range(requests_per_point):
+                            imgs.append(
+                                [demo_image(img_seed + j, image_size) for j in range(images_per_request)]
+                            )
+                            img_seed += images_per_request
+                        results: list[Any] = []
+
+                        async def one(i: int, delay: float, results=results, imgs=imgs, route=route) -> None:
+                            await asyncio.sleep(delay)
+                            try:
+                                r = await c.generate(f"Describe picture set {i}.", images=imgs[i], max_tokens=max_tokens,
+                                                     ignore_eos=True, route=route)  # fmt: skip
+                                results.append(r.timings)
+                            except Exception as e:  # noqa: BLE001 - reported as a failure
+                                results.append(e)
+
+                        t, delays = 0.0, []
+                        for _ in range(requests_per_point):
+                            t += rng.expovariate(qps)
+                            delays.append(t)
+                        start = time.perf_counter()
+                        await asyncio.gather(*(one(i, dl) for i, dl in enumerate(delays)))
+                        elapsed = time.perf_counter() - start
+                        ok = [r for r in results if not isinstance(r, Exception)]
+                        ttft = [r.ttft_s for r in ok]
+                        tpot = [r.tpot_s for r in ok]
+                        within = sum(1 for r in ok if r.ttft_s <= ttft_slo and r.tpot_s <= tpot_slo)
+                        points.append({
+                            "route": route, "offered_qps": qps, "requests": requests_per_point, "completed": len(ok),
+                            "errors": len(results) - len(ok), "elapsed_s": elapsed,
+                            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+                            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+                            "encode_p50": percentile([r.encode_s for r in ok], 50),
+                            "within_slo": within, "goodput_rps": qps * within / requests_per_point,
+                            "meets_slo": len(ok) == requests_per_point and percentile(ttft, 99) <= ttft_slo
+                            and percentile(tpot, 99) <= tpot_slo,
+                        })  # fmt: skip
+                        log(f"real: {route} at {qps} QPS: TTFT p50 {points[-1]['ttft_p50']:.3f} s")
+                stats = await c.stats()
+        finally:
+            await asyncio.to_thread(cluster.stop)
+    return {"kind": "real", "startup_s": startup, "points": points, "counters": stats["counters"],
+            "workload": {"images_per_request": images_per_request, "image_size": list(image_size),
+                         "max_tokens": max_tokens, "requests_per_point": requests_per_point},
+            "systems": {"epd": "1 encoder + 1 PD (route epd)", "colocated": "1 colocated worker (route colocated)"},
+            "slo": {"ttft_p99_s": ttft_slo, "tpot_p99_s": tpot_slo,
+                    "rule": "vLLM's 20 s / 100 ms scaled down for the tiny CPU model (x0.05 TTFT, x0.5 TPOT)"}}  # fmt: skip
+
+
+def _print_real(res: dict[str, Any]) -> None:
+    rows = [[p["route"], p["offered_qps"], f"{p['completed']}/{p['requests']}", p["ttft_p50"], p["ttft_p99"],
+             p["tpot_p50"] * 1e3, p["tpot_p99"] * 1e3, p["encode_p50"] * 1e3, p["goodput_rps"],
+             "yes" if p["meets_slo"] else "no"] for p in res["points"]]  # fmt: skip
+    slo = res["slo"]
+    print(table(["route", "offered QPS", "done", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
+                 "encode p50 ms", "goodput", "SLO"], rows,
+                title=f"Real tiny model on CPU (1 encoder + 1 PD vs 1 colocated, same cluster; cluster start "
+                f"{res['startup_s']:.0f} s); SLO P99 TTFT <= {slo['ttft_p99_s']} s, TPOT <= {slo['tpot_p99_s'] * 1e3:.0f} ms"))  # fmt: skip
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def run(
+    *, kind: str = "cost", out_dir: str = "bench-results", plot: bool = True, progress=None, quick: bool = False,
+    real_qps: list[float] | None = None, real_requests: int = 20, model: str = "", **cost_kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the goodput benchmark; print tables; write goodput.json (+ goodput.png). Returns the result."""
+    if kind not in ("cost", "real"):
+        raise ValueError("kind must be cost or real")
+    if kind == "cost":
+        if quick:
+            cost_kw = {"window_s": 30.0, "min_requests": 60, "refine": 2, "sensitivity": [1.5, 3.0]} | cost_kw
+        res = run_cost(progress=progress, **cost_kw)
+        _print_cost(res)
+    else:
+        say = (lambda m: print(m, file=sys.stderr)) if progress is None else (lambda _m: progress.advance(0))
+        res = asyncio.run(_real_async(
+            qps_list=real_qps or [2.0, 5.0, 10.0], requests_per_point=real_requests, images_per_request=2,
+            image_size=(224, 224), max_tokens=16, ttft_slo=cost_kw.get("ttft_slo") or 1.0,
+            tpot_slo=cost_kw.get("tpot_slo") or 0.05, model=model, log=say, seed=cost_kw.get("seed", 0),
+        ))  # fmt: skip
+        _print_real(res)
+    out = Path(out_dir)
+    name = "goodput.json" if kind == "cost" else "goodput-real.json"
+    png = out / ("goodput.png" if kind == "cost" else "goodput-real.png")
+    if plot:
+        try:
+            _plot(res, png)
+            res["plot"] = str(png)
+        except ImportError as e:  # matplotlib is the bench extra
+            print(f"no plot: {e}", file=sys.stderr)
+    write_json(out / name, "goodput", res)
+    print(f"\nwrote {out / name}" + (f" and {png}" if "plot" in res else ""))
+    return res
+
+
+def _plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if res["kind"] == "cost":
+        fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+        slo = res["slo"]
+        styles = {"epd_4img": ("EPD 1E+3PD", "C0", "-"), "colocated_4img": ("4 colocated", "C1", "-"),
+                  "epd_repeat_cache": ("EPD, cache", "C0", "--"), "epd_repeat_nocache": ("EPD, no cache", "C2", "--"),
+                  "colocated_repeat": ("colocated", "C1", "--")}  # fmt: skip
+        for name, (label, color, ls) in styles.items():
+            c = res["curves"][name]
+            q = [p["offered_qps"] for p in c]
+            target = ax[0][0] if name.endswith("4img") else ax[1][1]
+            target.plot(q, [p["goodput_rps"] for p in c], ls, color=color, marker="o", ms=3, label=label)
+            if name.endswith("4img"):
+                ax[0][1].plot(
+                    q, [p["tpot_p99"] * 1e3 for p in c], ls, color=color, marker="o", ms=3, label=label
+                )
+                ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
+        ax[0][0].set_title("4 images/request: goodput (within both SLOs)")
+        ax[1][1].set_title("50% repeated images: goodput")
+        ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
+        ax[0][1].set_title("4 images/request: P99 TPOT (ms)")
+        ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
+        ax[1][0].set_yscale("log")
+        ax[1][0].set_title("4 images/request: P99 TTFT (s)")
+        for a in ax.flat:
+            a.set_xlabel("offered load (requests/s)")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        fig.suptitle("epdq goodput, cost model (simulated, real scheduler)")
+    else:
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
+        for route, color in (("epd", "C0"), ("colocated", "C1")):
+            pts = [p for p in res["points"] if p["route"] == route]
+            q = [p["offered_qps"] for p in pts]
+            ax[0].plot(q, [p["ttft_p50"] for p in pts], "-o", color=color, label=f"{route} p50")
+            ax[0].plot(q, [p["ttft_p99"] for p in pts], "--o", color=color, label=f"{route} p99")
+            ax[1].plot(q, [p["tpot_p50"] * 1e3 for p in pts], "-o", color=color, label=f"{route} p50")
+            ax[1].plot(q, [p["tpot_p99"] * 1e3 for p in pts], "--o", color=color, label=f"{route} p99")
+        ax[0].set_title("TTFT (s)")
+        ax[1].set_title("TPOT (ms)")
+        for a in ax:
+            a.set_xlabel("offered load (requests/s)")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        fig.suptitle("epdq, real tiny model on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(
+        prog="python -m epdq.benchmarks.goodput", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--real", action="store_true", help="the real tiny model on CPU instead of the cost model"
+    )
+    ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps")
+    ap.add_argument("--out-dir", default="bench-results")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--pd", type=int, default=3, help="N: EPD is 1 encoder + N PD, colocated is N+1 workers")
+    ap.add_argument("--images", type=int, default=4, help="images per request")
+    ap.add_argument("--image-size", default="512x512")
+    ap.add_argument("--text-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--repeat-fraction", type=float, default=0.5)
+    ap.add_argument("--hot-set", type=int, default=32)
+    ap.add_argument(
+        "--tpot-slack", type=float, default=1.5, help="TPOT SLO as a multiple of the unloaded TPOT"
+    )
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (overrides the scaled default)")
+    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds (overrides the scaled default)")
+    ap.add_argument(
+        "--window", type=float, default=120.0, help="simulated seconds of arrivals per load point"
+    )
+    ap.add_argument("--qps", default="", help="comma-separated offered loads")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    qps = [float(x) for x in a.qps.split(",") if x] or None
+    if a.real:
+        return run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real_qps=qps, ttft_slo=a.ttft_slo,
+                   tpot_slo=a.tpot_slo, seed=a.seed)  # fmt: skip
+    w, h = (int(v) for v in a.image_size.lower().split("x"))
+    kw: dict[str, Any] = dict(n_pd=a.pd, images_per_request=a.images, image_size=(w, h), text_tokens=a.text_tokens,
+                              output_tokens=a.output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
+                              tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
+                              qps_grid=qps)  # fmt: skip
+    if not a.quick:
+        kw["window_s"] = a.window
+    return run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
+
+
+if __name__ == "__main__":
+    main()
