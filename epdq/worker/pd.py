@@ -55,10 +55,13 @@ class RemoteFetcher:
                 self._channels.pop(oldest).close()
             if not endpoint.startswith(("tcp://", "ipc://")):
                 raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")
-            sock = make_socket(
-                self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes,
-                security=self._security, server_public=self._server_public,
-            )  # fmt: skip
+            try:
+                sock = make_socket(
+                    self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes,
+                    security=self._security, server_public=self._server_public,
+                )  # fmt: skip
+            except zmq.ZMQError as e:
+                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}: {e}") from None
             ch = Channel(sock, self._on_frames)
             ch.start()
         self._channels[endpoint] = ch  # re-inserted: dict order is recency

@@ -611,7 +611,8 @@ async def start_workers(tmp_path: Path, roles: tuple[str, ...] = ("encoder", "pd
         for role in roles:
             name = "fuzz-enc" if role == "encoder" else "fuzz-pd"
             cfg = WorkerConfig(role=role, broker=fb.sock.getsockopt_string(zmq.LAST_ENDPOINT), engine="noop",
-                               worker_id=name, node="fuzz-node", ring_bytes=4 * 2**20, heartbeat_s=1.0)  # fmt: skip
+                               worker_id=name, node="fuzz-node", ring_bytes=4 * 2**20, heartbeat_s=1.0,
+                               insecure=True)  # plaintext ipc links whatever keys exist  # fmt: skip
             logs[name] = tmp_path / f"{name}.log"
             procs[name] = spawn_worker(cfg, logs[name])
         want = {n.encode() for n in procs}
