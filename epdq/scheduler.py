@@ -173,6 +173,8 @@ class Scheduler:
         self.cfg = config or SchedulerConfig()
         self.clock = clock
         self.workers: dict[str, WorkerState] = {}
+        self._role_count: dict[Role, int] = dict.fromkeys(Role, 0)
+        self._by_encoder: dict[str, set[bytes]] = {}  # encoder id -> index keys in its ring
         self._free: dict[Role, deque[str]] = {r: deque() for r in Role}
         self.requests: dict[str, Request] = {}
         self.index: dict[bytes, IndexEntry] = {}
@@ -243,6 +245,7 @@ class Scheduler:
             self.remove_worker(worker_id, "re-registered")
         w = WorkerState(worker_id, Role(role), node, capacity, ring_capacity)
         self.workers[worker_id] = w
+        self._role_count[w.role] += 1
         self._list_free(w)
         self.dispatch()
 
@@ -250,6 +253,7 @@ class Scheduler:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
+        self._role_count[w.role] -= 1
         self.counters["workers_lost"] += 1
         if w.role is Role.ENCODER:
             for job_id in list(w.inflight):
@@ -257,8 +261,9 @@ class Scheduler:
                 if job is not None:
                     job.worker = None
                     self._retry_encode(job, WorkerLostError(f"encoder {worker_id} {reason}"))
-            for key in [k for k, e in self.index.items() if e.ref.encoder_id == worker_id]:
-                self._drop_entry(key)
+            for key in list(self._by_encoder.pop(worker_id, ())):
+                if key in self.index and self.index[key].ref.encoder_id == worker_id:
+                    self._drop_entry(key)
         else:
             for rid in list(w.inflight):
                 req = self.requests.get(rid)
@@ -324,8 +329,8 @@ class Scheduler:
             return route
         if route != "auto":
             raise InvalidInputError(f"unknown route {route!r}; use auto, epd or colocated")
-        roles = {w.role for w in self.workers.values()}
-        if Role.BOTH in roles and not (Role.PD in roles and Role.ENCODER in roles):
+        n = self._role_count
+        if n[Role.BOTH] and not (n[Role.PD] and n[Role.ENCODER]):
             return "colocated"
         return "epd"
 
@@ -386,6 +391,11 @@ class Scheduler:
             self._emit(SendAbort(req.worker, req.rid))
         req.state = ReqState.DONE
         del self.requests[req.rid]
+        if len(self._deadlines) > 2 * len(self.requests) + 1024:
+            # finished requests leave their deadline behind; keep the heap proportional to live ones
+            live = self.requests
+            self._deadlines = [d for d in self._deadlines if d[1] in live and live[d[1]].deadline == d[0]]
+            heapq.heapify(self._deadlines)
         self.held_image_bytes -= req.image_bytes
         self._unreference(req)
         if error is None:
@@ -441,6 +451,12 @@ class Scheduler:
         del self._jobs_by_id[job_id]
         del self.jobs[job.key]
         self.counters["encodes_done"] += 1
+        if len(self._leases) > 2 * len(self._jobs_by_id) + 1024:
+            jobs = self._jobs_by_id
+            self._leases = [
+                h for h in self._leases if (j := jobs.get(h[1])) is not None and j.worker is not None and j.attempts == h[2]
+            ]
+            heapq.heapify(self._leases)
         key = job.key
         users = self.users.get(key, set())
         if key in self.index or not users:
@@ -448,6 +464,7 @@ class Scheduler:
             self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
         if key not in self.index:
             self.index[key] = IndexEntry(ref, pinned=bool(users))
+            self._by_encoder.setdefault(ref.encoder_id, set()).add(key)
         for rid in users:
             req = self.requests[rid]
             req.pending.discard(key)
@@ -499,7 +516,10 @@ class Scheduler:
 
     def _drop_entry(self, key: bytes) -> None:
         """Forget a resident entry; live requests that still need it go back to waiting."""
-        del self.index[key]
+        entry = self.index.pop(key)
+        owned = self._by_encoder.get(entry.ref.encoder_id)
+        if owned is not None:
+            owned.discard(key)
         for rid in self.users.get(key, ()):
             req = self.requests[rid]
             if req.state is ReqState.RUNNING:

@@ -328,3 +328,15 @@ def test_lease_expiry_respects_attempt_cap(clock):
     s.expire()
     (fail,) = of(s.take_actions(), Fail)
     assert isinstance(fail.error, WorkerLostError) and fail.rid == "r1"
+
+
+def test_deadline_and_lease_heaps_stay_proportional_to_live_work(clock):
+    s = make(clock, enc=1, pd=1, enc_cap=8, pd_cap=8)
+    for i in range(5000):
+        acts = submit(s, f"r{i}", [K(i % 200)] if i % 2 else [])
+        for e in of(acts, SendEncode):
+            acts += finish_encode(s, e)
+        for p in of(acts, SendPrefill):
+            s.on_tokens(p.worker_id, p.request.rid, finished=True)
+    assert not s.requests
+    assert len(s._deadlines) <= 1024 + 2 and len(s._leases) <= 1024 + 2
