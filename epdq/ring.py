@@ -301,17 +301,7 @@ class RingReader:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Copy one entry into a fresh tensor (or `out`): one memcpy, checked before and after."""
-        _check_key(key, ProtocolError)
-        if any(not isinstance(d, int) or d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
-            raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
-        if not 0 < generation < 2**64:
-            raise ProtocolError(f"bad generation {generation}")
-        seg = self._attach(segment)
-        if offset % ALIGN or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > seg.size:
-            raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
-        hdr = offset - HEADER_BYTES
-        if not _header_ok(seg.mm, hdr, key, generation, nbytes):
-            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+        seg, hdr = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
@@ -323,6 +313,41 @@ class RingReader:
         if not _header_ok(seg.mm, hdr, key, generation, nbytes):
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
         return out
+
+    def view(
+        self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, dtype: torch.dtype,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:  # fmt: skip
+        """A zero-copy tensor over one entry, checked now. Its bytes are trustworthy only once
+        `check()` passes AFTER the consumer has copied them (the broker's pin normally keeps the
+        entry in place; the check catches the case where it did not)."""
+        seg, _ = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
+        return torch.frombuffer(seg.mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
+
+    def check(self, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
+        """StaleEmbeddingError unless the entry still holds (key, generation)."""
+        seg = self._attach(segment)
+        if offset < HEADER_BYTES or offset + nbytes > seg.size or not _header_ok(
+            seg.mm, offset - HEADER_BYTES, key, generation, nbytes
+        ):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
+
+    def _locate(
+        self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, dtype: torch.dtype,
+        shape: tuple[int, ...],
+    ) -> tuple[_Attached, int]:  # fmt: skip
+        _check_key(key, ProtocolError)
+        if any(not isinstance(d, int) or d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+            raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
+        if not 0 < generation < 2**64:
+            raise ProtocolError(f"bad generation {generation}")
+        seg = self._attach(segment)
+        if offset % ALIGN or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > seg.size:
+            raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
+        hdr = offset - HEADER_BYTES
+        if not _header_ok(seg.mm, hdr, key, generation, nbytes):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+        return seg, hdr
 
     def forget(self, segment: str) -> None:
         with self._lock:

@@ -187,6 +187,7 @@ class PDWorker:
             raise InvalidInputError(str(e)) from None
         prompt = self.engine.render_prompt(P.messages_to_openai(msg.messages))
         kwargs: dict[str, Any] = {}
+        viewed: P.EmbedRef | None = None  # a ring entry the engine reads in place; checked after
         if self.colocated:
             if msg.embeds:
                 raise InvalidInputError("a colocated worker takes images, not embeddings")
@@ -196,11 +197,15 @@ class PDWorker:
                     for f in payload
                 ]
         elif msg.embeds:
-            kwargs["image_embeds"], kwargs["image_grid_thw"] = await self._gather(msg.embeds)
+            kwargs["image_embeds"], kwargs["image_grid_thw"], viewed = await self._gather(msg.embeds)
         elif payload:
             raise InvalidInputError("a PD worker takes embeddings, not images")
         final = None
         async for d in self.engine.generate(msg.request_id, prompt, sampling, **kwargs):
+            if viewed:
+                # the engine has its copy of the embeddings by now: verify it read intact bytes
+                r, viewed = viewed, None
+                self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
             if d.finish_reason is not None:
                 final = d
                 break
@@ -210,11 +215,13 @@ class PDWorker:
             raise EngineError("the engine stopped without a finish reason")
         self.link.send(P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason))
 
-    async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor]:
+    async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor, P.EmbedRef | None]:
         """Embeddings of every image in prompt order in ONE tensor, and their grids [n, 3].
 
-        Each entry is copied once, straight into its rows of the result; an image repeated in
-        the prompt is copied from its first rows instead of being read again.
+        One image on this node: a zero-copy view of the ring entry (the engine makes the only
+        copy; the returned ref must be checked after it did). Otherwise each entry is copied once,
+        straight into its rows of the result; an image repeated in the prompt is copied from its
+        first rows instead of being read again.
         """
         hidden = self.engine.hidden_size
         dtype = _DTYPES.get(refs[0].dtype)
@@ -230,6 +237,12 @@ class PDWorker:
                 )
             if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
+        grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
+        r = refs[0]
+        if len(refs) == 1 and r.node == self.node and r.segment:
+            self.local_reads += 1
+            view = self.reader.view(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape))
+            return view, grid, r
         embeds = torch.empty((sum(r.shape[0] for r in refs), hidden), dtype=dtype)
         first: dict[tuple[bytes, int], torch.Tensor] = {}
         row = 0
@@ -250,8 +263,7 @@ class PDWorker:
                 out.copy_(torch.frombuffer(data, dtype=dtype).view(r.shape))
                 self.remote_reads += 1
             first[ident] = out
-        grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
-        return embeds, grid
+        return embeds, grid, None
 
     def close(self) -> None:
         for t in self._tasks.values():

@@ -602,3 +602,21 @@ def test_clear_drops_pinned_and_unpinned_entries():
         assert w.entry_count == 0 and w.used_bytes == 0 and w.drain_evicted() == []
         assert w.lookup(b"a" * 16) is None and a is not None
         assert w.write(b"c" * 16, torch.zeros(64)) is not None
+
+
+def test_view_is_zero_copy_and_check_detects_overwrite():
+    with RingWriter(MIN_CAPACITY) as w:
+        r = RingReader()
+        try:
+            t = torch.arange(256, dtype=torch.float32).reshape(16, 16)
+            loc = w.write(b"v" * 16, t)
+            v = r.view(w.name, loc.offset, loc.nbytes, b"v" * 16, loc.generation, torch.float32, (16, 16))
+            assert torch.equal(v, t)
+            r.check(w.name, loc.offset, loc.nbytes, b"v" * 16, loc.generation)
+            w.unpin(b"v" * 16, loc.generation)
+            w.evict_unpinned()
+            with pytest.raises(StaleEmbeddingError):
+                r.check(w.name, loc.offset, loc.nbytes, b"v" * 16, loc.generation)
+            del v
+        finally:
+            r.close()
