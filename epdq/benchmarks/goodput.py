@@ -474,8 +474,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     qps = [float(x) for x in a.qps.split(",") if x] or None
     if a.real:
-        return run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real_qps=qps, ttft_slo=a.ttft_slo,
-                   tpot_slo=a.tpot_slo, seed=a.seed)  # fmt: skip
+        run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real_qps=qps, ttft_slo=a.ttft_slo,
+            tpot_slo=a.tpot_slo, seed=a.seed)  # fmt: skip
+        return 0
     w, h = (int(v) for v in a.image_size.lower().split("x"))
     kw: dict[str, Any] = dict(n_pd=a.pd, images_per_request=a.images, image_size=(w, h), text_tokens=a.text_tokens,
                               output_tokens=a.output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
@@ -483,8 +484,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               qps_grid=qps)  # fmt: skip
     if not a.quick:
         kw["window_s"] = a.window
-    return run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
+    run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -312,7 +312,7 @@ def _print(res: dict[str, Any]) -> None:
         print(table(["memory", "value"], rows, title="Memory (tracemalloc)"))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m epdq.benchmarks.scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=100_000)
@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out-dir", default="bench-results")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    return run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=a.nodes,
-               memory=not a.no_memory, out_dir=a.out_dir, seed=a.seed)  # fmt: skip
+    run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=a.nodes,
+        memory=not a.no_memory, out_dir=a.out_dir, seed=a.seed)  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
