@@ -16,7 +16,7 @@ def test_handoff_benchmark_small(tmp_path, capsys):
     assert saved["benchmark"] == "handoff"
     assert saved["results"] == data["results"]
     methods = {r["method"] for r in saved["results"]}
-    assert {"memcpy", "ring", "fetch_tcp", "safetensors"} <= methods
+    assert {"memcpy", "ring_view", "ring", "fetch_tcp", "safetensors"} <= methods
     for r in saved["results"]:
         assert r["size_mib"] == 1
         assert r["p50_ms"] > 0 and r["p90_ms"] >= r["p50_ms"]
@@ -27,7 +27,7 @@ def test_handoff_benchmark_small(tmp_path, capsys):
     assert (tmp_path / "handoff.png").stat().st_size > 0
 
     printed = capsys.readouterr().out
-    assert "ring ÷ memcpy" in printed and ("PASS" in printed or "MISS" in printed)
+    assert "ring (view) ÷ memcpy" in printed and ("PASS" in printed or "MISS" in printed)
     # the writer's ring segment and the safetensors directory are gone
     leftovers = set(os.listdir(handoff.SHM_ROOT)) - before
     assert not {n for n in leftovers if n.startswith(("epdq-bench-handoff-", f"epdq-{os.getuid()}-bench-"))}
