@@ -229,6 +229,24 @@ def stats(
 
 
 @app.command()
+def status(
+    address: str = typer.Argument(DEFAULT_ADDRESS),
+    once: bool = typer.Option(False, help="Print once and exit (default: refresh until Ctrl-C)."),
+    as_json: bool = typer.Option(False, "--json", help="JSON (one object per refresh)."),
+    interval: float = typer.Option(1.0, help="Seconds between refreshes."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
+) -> None:
+    """Live table of workers, queues, ring usage and cache hit rate."""
+    from epdq.status import show
+
+    try:
+        asyncio.run(show(address, once=once, as_json=as_json, interval=interval, keys_dir=keys_dir, insecure=insecure))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
 def keygen(
     directory: Path = typer.Argument(None, help="Keys directory (default: $EPDQ_HOME/keys)."),
 ) -> None:

@@ -73,6 +73,14 @@ def test_up_generate_and_ctrl_c_stops_everything(tmp_path):
         result = json.loads(g.stdout)
         assert len(result["token_ids"]) >= 1 and result["timings"]["route"] == "epd"
 
+        st = subprocess.run([*EPDQ, "status", addr, "--once", "--json"], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["workers_by_role"] == {"encoder": 1, "pd": 1, "both": 0}
+        assert status["requests"]["completed"] >= 1 and status["ring"]["capacity_bytes"] > 0
+        table = subprocess.run([*EPDQ, "status", addr, "--once"], capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0 and "encoder-0" in table.stdout and "hit rate" in table.stdout
+
         bad = subprocess.run(
             [*EPDQ, "generate", "x", "--image", str(tmp_path), "--address", addr], capture_output=True, text=True,
             timeout=60,
