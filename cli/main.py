@@ -37,6 +37,7 @@ def broker(
     liveness: int = typer.Option(5, help="Missed heartbeats before a worker is declared dead."),
     client_liveness: float = typer.Option(10.0, help="Seconds a client with live requests may stay silent."),
     encode_lease: float = typer.Option(60.0, help="Seconds an encoder may hold a job before it is re-queued."),
+    metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics and /health (off when empty)."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -50,7 +51,8 @@ def broker(
     cfg = BrokerConfig(
         address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
         max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
-        liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease, keys_dir=keys_dir,
+        liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease, metrics_address=metrics,
+        keys_dir=keys_dir,
         insecure=insecure,
     )  # fmt: skip
     _run(serve_broker(cfg))
@@ -69,7 +71,7 @@ def worker(
         "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
     ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
-    engine: str = typer.Option("auto", help="auto (transformers vision tower / vLLM) or noop (no model)."),
+    engine: str = typer.Option("auto", help="auto (vision tower / vLLM), hf (transformers PD engine) or noop."),
     heartbeat: float = typer.Option(1.0, help="Heartbeat interval to the broker, seconds."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
@@ -226,6 +228,29 @@ def stats(
             return await c.stats(timeout=timeout)
 
     typer.echo(json.dumps(asyncio.run(main()), indent=2))
+
+
+@app.command("serve-http")
+def serve_http(
+    broker: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    model_name: str = typer.Option("epdq", help="Model id advertised by /v1/models."),
+    allow_dir: str = typer.Option("", help="Serve local image files under this directory (off when empty)."),
+    allow_remote_urls: bool = typer.Option(False, help="Fetch http(s) image URLs (no SSRF filtering)."),
+    max_body_mb: float = typer.Option(32.0),
+    timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    keys_dir: str = typer.Option("", help=KEYS_HELP),
+    insecure: bool = typer.Option(False, help=INSECURE_HELP),
+) -> None:
+    """OpenAI-compatible HTTP gateway (/v1/chat/completions, /v1/models, /health)."""
+    from epdq.gateway import GatewayConfig, run
+
+    run(GatewayConfig(
+        broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
+        allow_remote_urls=allow_remote_urls, max_body_bytes=int(max_body_mb * 2**20), request_timeout_s=timeout,
+        keys_dir=keys_dir, insecure=insecure,
+    ))  # fmt: skip
 
 
 @app.command()

@@ -20,6 +20,7 @@ from epdq import protocol as P
 from epdq.errors import EpdqError, InvalidInputError, ProtocolError
 from epdq.keys import security_for
 from epdq.media import image_key, sniff_format
+from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import (
     Fail,
     Request,
@@ -56,6 +57,7 @@ class BrokerConfig:
     client_liveness_s: float = 10.0  # a client with live requests silent this long is gone
     encode_lease_s: float = 60.0  # an encode job not finished in this time is re-queued
     scope: str = ""  # cache-key scope; adopted from the first encoder when empty
+    metrics_address: str = ""  # HOST:PORT for Prometheus /metrics and /health; empty = off
     keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
     insecure: bool = False  # plaintext tcp, allowed on loopback only
 
@@ -99,6 +101,14 @@ class Broker:
             )
         )
         self.broker_id = uuid.uuid4().hex
+        self.hist = {
+            "encode": Histogram("epdq_encode_seconds", "Vision encoder time per image (encoder-reported)."),
+            "ttft": Histogram("epdq_ttft_seconds", "Admission to first token, at the broker."),
+            "tpot": Histogram("epdq_tpot_seconds", "Mean time per output token after the first."),
+            "queue": Histogram("epdq_queue_seconds", "Ready for prefill to handed to a PD worker."),
+            "e2e": Histogram("epdq_request_seconds", "Admission to the last token."),
+        }
+        self._metrics: MetricsServer | None = None
         self.scope = self.cfg.scope
         self.workers: dict[bytes, _Peer] = {}  # by socket identity
         self._by_id: dict[str, _Peer] = {}
@@ -134,10 +144,17 @@ class Broker:
         if ready is not None:
             ready.set()
         timer = asyncio.create_task(self._tick())
+        if self.cfg.metrics_address:
+            host, _, port = self.cfg.metrics_address.rpartition(":")
+            self._metrics = MetricsServer(self.render_metrics, lambda: bool(self.scheduler.workers))
+            bound = await self._metrics.start(host or "127.0.0.1", int(port))
+            log.info("metrics on http://%s:%d/metrics", host or "127.0.0.1", bound)
         try:
             await self._stop.wait()
         finally:
             timer.cancel()
+            if self._metrics is not None:
+                self._metrics.close()
             for peer in list(self.workers.values()):
                 self._send(peer.identity, P.Bye("broker shutting down"))
             self.channel.close()
@@ -269,13 +286,42 @@ class Broker:
         by_role = dict.fromkeys((r.value for r in Role), 0)
         for w in s.workers.values():
             by_role[w.role.value] += 1
+            peer = self._by_id.get(w.worker_id)
+            beat = peer.beat if peer is not None and peer.beat is not None else P.Heartbeat()
             workers.append(
-                P.WorkerInfo(w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity)
-            )
+                P.WorkerInfo(
+                    w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity,
+                    beat.ring_used, beat.ring_pinned, beat.ring_entries,
+                )
+            )  # fmt: skip
         gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
         gauges["uptime_s"] = time.monotonic() - self.started_at
         gauges["clients"] = float(len(self._clients))
         return P.Stats(nonce, counters, gauges, workers)
+
+    def render_metrics(self) -> str:
+        s = self.stats()
+        out: list[str] = []
+        for name, value in sorted(s.counters.items()):
+            out += render_family(f"epdq_{name}_total", "counter", name.replace("_", " "), [({}, value)])
+        for name, value in sorted(s.gauges.items()):
+            if not name.startswith("workers_"):
+                out += render_family(f"epdq_{name}", "gauge", name.replace("_", " "), [({}, value)])
+        roles = ("encoder", "pd", "both")
+        states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full")}
+        for w in s.workers:
+            st = "idle" if w.inflight == 0 else ("full" if w.inflight >= w.capacity else "busy")
+            states[(w.role, st)] += 1
+        out += render_family("epdq_workers", "gauge", "registered workers by role and state",
+                             [({"role": r, "state": st}, v) for (r, st), v in states.items()])  # fmt: skip
+        rings = [w for w in s.workers if w.ring_capacity]
+        for metric, field in (("ring_used_bytes", "ring_used"), ("ring_pinned_bytes", "ring_pinned"),
+                              ("ring_capacity_bytes", "ring_capacity")):  # fmt: skip
+            out += render_family(f"epdq_{metric}", "gauge", f"encoder ring {field.replace('_', ' ')}",
+                                 [({"worker": w.worker_id}, getattr(w, field)) for w in rings])  # fmt: skip
+        for h in self.hist.values():
+            out += h.render()
+        return "\n".join(out) + "\n"
 
     # worker messages
 
@@ -331,7 +377,8 @@ class Broker:
     def _on_heartbeat(
         self, identity: bytes, peer: _Peer | None, msg: P.Heartbeat, payload: list[Any]
     ) -> None:
-        self._require_worker(identity, peer)
+        if self._require_worker(identity, peer):
+            peer.beat = msg  # encoders report their ring occupancy here
 
     def _on_bye(self, identity: bytes, peer: _Peer | None, msg: P.Bye, payload: list[Any]) -> None:
         if peer is not None:
@@ -355,6 +402,7 @@ class Broker:
             return
         ref.node = reg.node
         ref.fetch_endpoint = reg.fetch_endpoint
+        self.hist["encode"].observe(msg.encode_s)
         self.scheduler.on_encoded(peer.worker_id, msg.job_id, ref)
 
     def _on_encode_failed(
@@ -374,7 +422,16 @@ class Broker:
         req = self.scheduler.on_tokens(peer.worker_id, msg.request_id, finished)
         if req is None:
             return
+        now = self.scheduler.clock()
+        if msg.token_ids and not req.first_token_at:
+            req.first_token_at = now
+            self.hist["ttft"].observe(now - req.admitted_at)
+        req.tokens += len(msg.token_ids)
         if finished:
+            self.hist["e2e"].observe(now - req.admitted_at)
+            self.hist["queue"].observe(req.dispatched_at - (req.ready_at or req.dispatched_at))
+            if req.tokens > 1:
+                self.hist["tpot"].observe((now - req.first_token_at) / (req.tokens - 1))
             msg.timings = _timings(req)
             self._forget_client_request(req.client, req.rid)
         self._send(req.client, msg)

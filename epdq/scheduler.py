@@ -115,6 +115,8 @@ class Request:
     attempts: int = 0
     cache_hits: int = 0
     image_bytes: int = 0
+    first_token_at: float = 0.0  # set by the broker, for TTFT / TPOT metrics
+    tokens: int = 0
 
 
 # ---------------------------------------------------------------- decisions

@@ -38,7 +38,7 @@ class WorkerConfig:
     keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
     insecure: bool = False  # plaintext tcp, allowed on loopback only
     threads: int = 1  # torch intra-op threads of an encoder (vLLM engines set their own)
-    engine: str = "auto"  # "auto": transformers vision tower / vLLM; "noop": no model (tests, benchmarks)
+    engine: str = "auto"  # auto: HF vision tower / vLLM; hf: transformers for PD too; noop: no model
     noop_encode_s: float = 0.0  # noop engine: seconds per image encoded
     noop_prefill_s: float = 0.0  # noop engine: seconds per prefill
     noop_token_s: float = 0.0  # noop engine: seconds per output token
@@ -56,8 +56,8 @@ class WorkerConfig:
             raise ValueError("ring_bytes must be >= 1 MiB")
         if not 0.01 <= self.heartbeat_s <= 600:
             raise ValueError("heartbeat_s must be in [0.01, 600]")
-        if self.engine not in ("auto", "noop"):
-            raise ValueError(f"engine must be auto or noop, got {self.engine!r}")
+        if self.engine not in ("auto", "hf", "noop"):
+            raise ValueError(f"engine must be auto, hf or noop, got {self.engine!r}")
         if min(self.noop_encode_s, self.noop_prefill_s, self.noop_token_s) < 0:
             raise ValueError("noop delays must be >= 0")
         if not 1 <= self.threads <= 1024:
@@ -95,7 +95,7 @@ async def run_worker(cfg: WorkerConfig, *, stop: asyncio.Event | None = None) ->
     from epdq.keys import security_for
 
     security = security_for("worker", keys_dir=cfg.keys_dir, insecure=cfg.insecure)
-    model = resolve_model(cfg.model) if cfg.engine == "auto" else "noop"
+    model = resolve_model(cfg.model) if cfg.engine != "noop" else "noop"
     stop = stop or asyncio.Event()
     if cfg.role == "encoder":
         await _run_encoder(cfg, model, stop, security)
@@ -164,6 +164,13 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
         from epdq.engines.noop import NoopPDEngine
 
         engine = NoopPDEngine(prefill_s=cfg.noop_prefill_s, token_s=cfg.noop_token_s)
+    elif cfg.engine == "hf":
+        from epdq.engines.hf_pd import HFPDEngine
+
+        engine = await asyncio.to_thread(
+            HFPDEngine, model, mode="both" if colocated else "pd", dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len, max_images_per_prompt=cfg.max_images_per_prompt,
+        )  # fmt: skip
     else:
         from epdq.engines.vllm_engine import VllmEngine
 

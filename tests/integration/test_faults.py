@@ -142,11 +142,12 @@ async def test_soak_ring_returns_to_baseline_and_nothing_leaks(tmp_path):
             await asyncio.gather(*(one(i) for i in range(n)))
             s = await wait_stats(
                 cluster.address,
-                lambda s: all(w["ring_pinned"] == 0 for w in s["workers"] if w["role"] == "encoder")
+                lambda s: all(w["ring_pinned"] == 0 and w["ring_used"] > 0 for w in s["workers"] if w["role"] == "encoder")
                 and s["gauges"]["index_pinned"] == 0,
             )
             enc = next(w for w in s["workers"] if w["role"] == "encoder")
-            assert enc["ring_used"] <= enc["ring_capacity"]
+            # entries stay resident for cache hits (used > 0) but nothing is pinned any more
+            assert 0 < enc["ring_used"] <= enc["ring_capacity"] and enc["ring_entries"] > 0
             assert s["counters"]["requests_completed"] == n and s["counters"]["evictions"] > 0
             assert s["gauges"]["requests_queued"] == 0 and s["gauges"]["held_image_bytes"] == 0
         during = _segments() - before
@@ -233,3 +234,30 @@ async def test_overload_stays_bounded_and_admitted_requests_finish(tmp_path):
         s = await c.stats()
         assert s["gauges"]["requests_queued"] == 0 and s["counters"]["busy_rejections"] > 900
         assert rss[-1] - rss[0] < 20 * 1024, f"broker RSS grew {rss} KiB"
+
+
+async def test_prometheus_metrics_reflect_traffic(tmp_path, unused_tcp_port):
+    import urllib.request
+
+    spec = noop_spec(tmp_path, broker=BrokerConfig(metrics_address=f"127.0.0.1:{unused_tcp_port}"),
+                     worker_defaults={"engine": "noop", "heartbeat_s": 0.2})  # fmt: skip
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        for _ in range(3):
+            await c.generate("metrics", images=[demo_image(1, (64, 64))], max_tokens=4)
+        await wait_stats(cluster.address, lambda s: any(w["ring_used"] for w in s["workers"]))
+
+        def get(path: str) -> tuple[int, str]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+
+        status, text = await asyncio.to_thread(get, "/metrics")
+        assert status == 200
+        lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        assert float(lines["epdq_requests_completed_total"]) == 3
+        assert float(lines["epdq_cache_hits_total"]) == 2 and float(lines["epdq_encodes_done_total"]) == 1
+        assert float(lines["epdq_ttft_seconds_count"]) == 3 and float(lines["epdq_tpot_seconds_count"]) == 3
+        assert float(lines["epdq_encode_seconds_count"]) == 1
+        assert float(lines['epdq_workers{role="encoder",state="idle"}']) == 1
+        assert float(lines['epdq_ring_used_bytes{worker="encoder-0"}']) > 0
+        assert "epdq_busy_rejections_total" in lines and "epdq_requests_queued" in lines
+        assert (await asyncio.to_thread(get, "/health"))[0] == 200

@@ -1,0 +1,509 @@
+"""OpenAI-compatible HTTP gateway in front of a broker.
+
+`/v1/chat/completions` (streaming SSE and not), `/v1/models` and `/health`, talking to the broker
+through one `epdq.AsyncClient`. Images come as `image_url` parts: base64 `data:` URLs always;
+local files (`file://` URLs or plain paths) only under `GatewayConfig.allow_dir`; remote http(s)
+URLs only when `allow_remote_urls` is set.
+
+Typed epdq errors become HTTP statuses with an OpenAI-style body `{"error": {message, type, code}}`:
+busy -> 429 (+ Retry-After), invalid input -> 400, deadline -> 504, broker unavailable -> 503,
+worker lost -> 502, anything else -> 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import stat
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import unquote, urlparse
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from epdq.errors import (
+    BrokerUnavailableError,
+    BusyError,
+    DeadlineExceededError,
+    EpdqError,
+    InvalidInputError,
+    WorkerLostError,
+)
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    broker_address: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "epdq"  # advertised by /v1/models; requests must name it
+    allow_dir: str | None = None  # local image files are readable only under this directory
+    allow_remote_urls: bool = False  # http(s) image URLs (fetched by the gateway) when True
+    max_body_bytes: int = 32 * 2**20
+    max_image_bytes: int = 20 * 2**20  # local files and remote downloads
+    request_timeout_s: float = 120.0  # the deadline handed to the broker per request
+    default_max_tokens: int = 256
+    stream_prime_s: float = 2.0  # how long a stream waits for a first answer to give a real status
+    remote_timeout_s: float = 10.0
+    keys_dir: str = ""
+    insecure: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_image_bytes < 1 or self.request_timeout_s <= 0:
+            raise ValueError("max_body_bytes, max_image_bytes and request_timeout_s must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+
+
+# ---------------------------------------------------------------- request schema
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI does
+
+
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessageIn(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Model):
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class HTTPError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, code: str = "invalid_input") -> HTTPError:
+    return HTTPError(400, message, "invalid_request_error", code)
+
+
+def http_error(exc: BaseException) -> HTTPError:
+    """The HTTP status and OpenAI-style error for an exception from the client."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, BusyError):
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return HTTPError(429, exc.message, "rate_limit_error", exc.code, {"Retry-After": retry})
+    if isinstance(exc, InvalidInputError):
+        return bad_request(exc.message)
+    if isinstance(exc, DeadlineExceededError):
+        return HTTPError(504, exc.message, "timeout_error", exc.code)
+    if isinstance(exc, BrokerUnavailableError):
+        return HTTPError(503, exc.message, "service_unavailable_error", exc.code, {"Retry-After": "1"})
+    if isinstance(exc, WorkerLostError):
+        return HTTPError(502, exc.message, "upstream_error", exc.code)
+    if isinstance(exc, EpdqError):
+        return HTTPError(500, exc.message, "server_error", exc.code)
+    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error", "internal")
+
+
+# ---------------------------------------------------------------- images
+
+
+def read_local_image(ref: str, allow_dir: str, max_bytes: int) -> bytes:
+    """Bytes of a local file named by `ref` (a `file://` URL or a path, relative to `allow_dir`),
+    only if its real path (symlinks resolved) lies inside `allow_dir` and it is a regular file."""
+    if ref.startswith("file:"):
+        u = urlparse(ref)
+        if u.netloc not in ("", "localhost"):
+            raise bad_request("file: URLs must name a local file")
+        ref = unquote(u.path)
+    if not ref or "\x00" in ref:
+        raise bad_request("empty or invalid image path")
+    root = Path(os.path.realpath(allow_dir))
+    path = Path(os.path.realpath(root / ref))  # an absolute `ref` replaces root
+    if not path.is_relative_to(root):
+        raise bad_request("image path is outside the allowed directory", "path_not_allowed")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        raise bad_request("image file not found or not readable", "path_not_allowed") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise bad_request("image path is not a regular file", "path_not_allowed")
+        if st.st_size > max_bytes:
+            raise bad_request(f"image file is larger than {max_bytes} bytes")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise bad_request(f"image file is larger than {max_bytes} bytes")
+    return data
+
+
+async def fetch_remote_image(url: str, cfg: GatewayConfig) -> bytes:
+    """Download an http(s) image with a size cap and a timeout (only when remote URLs are enabled)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=cfg.remote_timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url, max_redirects=3) as r:
+            if r.status != 200:
+                raise bad_request(f"fetching the image URL gave HTTP {r.status}")
+            if (r.content_length or 0) > cfg.max_image_bytes:
+                raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
+            buf = bytearray()
+            async for chunk in r.content.iter_chunked(64 * 1024):
+                buf += chunk
+                if len(buf) > cfg.max_image_bytes:
+                    raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
+            return bytes(buf)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise bad_request(f"could not fetch the image URL: {type(e).__name__}") from None
+
+
+async def _image_part(url: str, cfg: GatewayConfig) -> dict:
+    if url.startswith("data:"):
+        return {"type": "image_url", "image_url": {"url": url}}  # decoded and validated by the client
+    scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("file:") else ""
+    if scheme in ("http", "https"):
+        if not cfg.allow_remote_urls:
+            raise bad_request(
+                "remote image URLs are disabled on this server; send a data: URL", "remote_url_disabled"
+            )
+        return {"type": "image", "image": await fetch_remote_image(url, cfg)}
+    if scheme not in ("", "file"):
+        raise bad_request(f"unsupported image URL scheme {scheme!r}")
+    if cfg.allow_dir is None:
+        raise bad_request(
+            "local image files are disabled on this server; send a data: URL", "path_not_allowed"
+        )
+    data = await asyncio.to_thread(read_local_image, url, cfg.allow_dir, cfg.max_image_bytes)
+    return {"type": "image", "image": data}
+
+
+async def to_epdq_messages(req: ChatCompletionRequest, cfg: GatewayConfig) -> list[dict]:
+    out: list[dict] = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        if m.content is None or isinstance(m.content, str):
+            out.append({"role": role, "content": m.content or ""})
+            continue
+        parts: list[dict] = []
+        for p in m.content:
+            if isinstance(p, TextPart):
+                parts.append({"type": "text", "text": p.text})
+            else:
+                parts.append(await _image_part(p.image_url.url, cfg))
+        out.append({"role": role, "content": parts})
+    return out
+
+
+def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str, Any]:
+    if req.n not in (None, 1):
+        raise bad_request("only n=1 is supported")
+    max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
+    kw: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "timeout": cfg.request_timeout_s,
+    }
+    if req.seed is not None:
+        kw["seed"] = req.seed
+    if req.stop is not None:
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if len(stops) > 4 or any(not s for s in stops):
+            raise bad_request("stop takes at most 4 non-empty strings")
+        kw["stop"] = stops
+    return kw
+
+
+# ---------------------------------------------------------------- app
+
+_END = object()
+_FINISH = {"stop", "length", "content_filter", "tool_calls"}
+
+
+def _finish(reason: str | None) -> str:
+    return reason if reason in _FINISH else "stop"
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPError(
+            413, f"request body larger than {limit} bytes", "invalid_request_error", "body_too_large"
+        )
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise HTTPError(
+                413, f"request body larger than {limit} bytes", "invalid_request_error", "body_too_large"
+            )
+    return bytes(buf)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _or_disconnect(request: Request, aw: Any, timeout: float | None = None) -> tuple[bool, Any]:
+    """Await `aw` unless the client goes away first (then cancel it and raise CancelledError) or
+    `timeout` passes (then return (False, the still-running task))."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+        with suppress(BaseException):
+            await watch
+    if task in done:
+        return True, task.result()
+    if watch in done:
+        task.cancel()
+        with suppress(BaseException):
+            await task
+        raise asyncio.CancelledError("client disconnected")
+    return False, task
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    from epdq.client import AsyncClient
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = AsyncClient(
+            config.broker_address,
+            timeout=config.request_timeout_s,
+            keys_dir=config.keys_dir,
+            insecure=config.insecure,
+        )
+        await client.connect()
+        app.state.client = client
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="epdq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+
+    @app.exception_handler(HTTPError)
+    async def _on_http_error(_request: Request, exc: HTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        try:
+            s = await request.app.state.client.stats(timeout=1.0)
+        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+            err = http_error(e if isinstance(e, EpdqError) else BrokerUnavailableError(str(e)))
+            return JSONResponse({"status": "unavailable", "error": err.message}, status_code=503)
+        roles: dict[str, int] = {}
+        for w in s["workers"]:
+            roles[w["role"]] = roles.get(w["role"], 0) + 1
+        return JSONResponse(
+            {"status": "ok", "model": config.model_name, "workers": roles, "gauges": s["gauges"]}
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(config)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != config.model_name:
+            raise HTTPError(404, f"model {model_id!r} not found", "invalid_request_error", "model_not_found")
+        return _model_card(config)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        raw = await _read_body(request, config.max_body_bytes)
+        try:
+            req = ChatCompletionRequest.model_validate_json(raw)
+        except ValidationError as e:
+            first = e.errors()[0] if e.errors() else {}
+            where = ".".join(str(x) for x in first.get("loc", ()))
+            raise bad_request(f"invalid request: {where}: {first.get('msg', 'invalid')}") from None
+        if req.model != config.model_name:
+            raise HTTPError(404, f"model {req.model!r} not found", "invalid_request_error", "model_not_found")
+        kw = sampling_kwargs(req, config)
+        messages = await to_epdq_messages(req, config)
+        client = request.app.state.client
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await _stream(request, client, messages, kw, rid, created, include_usage)
+        try:
+            _, result = await _or_disconnect(request, client.generate(messages=messages, **kw))
+        except asyncio.CancelledError:
+            return JSONResponse({}, status_code=499)  # nobody is listening
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            raise http_error(e) from None
+        n = len(result.token_ids)
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
+            "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": result.text},
+                "logprobs": None, "finish_reason": _finish(result.finish_reason),
+            }],
+            "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
+        }  # fmt: skip
+
+    async def _stream(request, client, messages, kw, rid, created, include_usage):
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for d in client.stream(messages=messages, **kw):  # leaving it cancels upstream
+                    q.put_nowait(d)
+                q.put_nowait(_END)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                q.put_nowait(e)
+
+        task = asyncio.create_task(pump())
+        # wait a little for the first answer, so that refusals (busy, bad input) get a real status
+        try:
+            got, first = await _or_disconnect(request, q.get(), timeout=config.stream_prime_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            return JSONResponse({}, status_code=499)
+        except BaseException:
+            task.cancel()
+            raise
+        if got and isinstance(first, BaseException):
+            task.cancel()
+            raise http_error(first)
+        pending = None if got else first  # still waiting: a task running q.get()
+
+        def chunk(
+            delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True
+        ) -> str:
+            obj = {
+                "id": rid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices else [],
+            }  # fmt: skip
+            if include_usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            n = 0
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                item = first if got else await pending
+                while True:
+                    if item is _END:
+                        break
+                    if isinstance(item, BaseException):
+                        yield f"data: {json.dumps(http_error(item).body())}\n\n"
+                        return
+                    n += len(item.token_ids)
+                    if item.text:
+                        yield chunk({"content": item.text})
+                    if item.finish_reason is not None:
+                        yield chunk({}, _finish(item.finish_reason))
+                    item = await q.get()
+                if include_usage:
+                    yield chunk(
+                        {},
+                        usage={"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
+                        choices=False,
+                    )
+                yield "data: [DONE]\n\n"
+            finally:  # also on client disconnect: Starlette cancels this generator
+                if pending is not None:
+                    pending.cancel()
+                task.cancel()
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    return app
+
+
+def _model_card(config: GatewayConfig) -> dict:
+    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "epdq"}
+
+
+# ---------------------------------------------------------------- running it
+
+
+def build_server(config: GatewayConfig, **uvicorn_kw: Any):
+    import uvicorn
+
+    ucfg = uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        lifespan="on", proxy_headers=False, **uvicorn_kw,
+    )  # fmt: skip
+    return uvicorn.Server(ucfg)
+
+
+async def serve(config: GatewayConfig, *, sockets: list | None = None) -> None:
+    """Run the gateway on the current event loop until it is stopped (SIGINT/SIGTERM)."""
+    await build_server(config).serve(sockets=sockets)
+
+
+def run(config: GatewayConfig) -> None:
+    """Blocking entry point for the CLI: `serve` on a fresh event loop (uvloop when installed)."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(config))

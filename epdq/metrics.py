@@ -1,0 +1,99 @@
+"""Prometheus text exposition without dependencies: histograms and a tiny /metrics server.
+
+The broker keeps counters and gauges already; this adds latency histograms and serves all of
+them over plain HTTP (GET /metrics, GET /health) from the broker's own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("epdq.metrics")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    __slots__ = ("name", "help", "buckets", "counts", "sum", "count")
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        if value != value or value < 0:  # NaN or negative: a clock glitch, not a latency
+            return
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        acc = 0
+        for le, c in zip(self.buckets, self.counts, strict=True):
+            acc += c
+            out.append(f'{self.name}_bucket{{le="{le:g}"}} {acc}')
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
+                f"{self.name}_count {self.count}"]  # fmt: skip
+        return out
+
+
+def render_family(name: str, kind: str, help: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
+    out = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        out.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+    return out
+
+
+def _escape(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class MetricsServer:
+    """GET /metrics (Prometheus text) and GET /health on host:port; anything else is 404."""
+
+    def __init__(self, render: Callable[[], str], health: Callable[[], bool] = lambda: True):
+        self._render = render
+        self._health = health
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port, limit=8192)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            method, _, rest = request.partition(b" ")
+            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+            if method != b"GET":
+                status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
+            elif path == b"/metrics":
+                status, body, ctype = "200 OK", self._render().encode(), "text/plain; version=0.0.4"
+            elif path == b"/health":
+                ok = self._health()
+                status, body, ctype = ("200 OK", b"ok\n", "text/plain") if ok else ("503 Service Unavailable",
+                                                                                     b"no workers\n", "text/plain")  # fmt: skip
+            else:
+                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            pass  # a scraper that hung up or sent junk
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()

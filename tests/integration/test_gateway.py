@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP gateway, driven by the official `openai` package, on no-op clusters."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import os
+import socket
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+import aiohttp  # noqa: E402
+
+from epdq import AsyncClient, BrokerUnavailableError  # noqa: E402
+from epdq.broker import BrokerConfig  # noqa: E402
+from epdq.cluster import Cluster, ClusterSpec  # noqa: E402
+from epdq.demo import demo_image  # noqa: E402
+from epdq.gateway import GatewayConfig, build_server  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+MODEL = "epdq-test"
+
+
+def noop_spec(tmp_path, **kw) -> ClusterSpec:
+    defaults = dict(
+        address=f"ipc://{tmp_path}/sock/broker", encoders=1, pds=1, log_dir=str(tmp_path / "logs"),
+        worker_defaults={"engine": "noop"}, start_timeout_s=60,
+    )  # fmt: skip
+    defaults.update(kw)
+    return ClusterSpec(**defaults)
+
+
+@contextlib.asynccontextmanager
+async def gateway(address: str, **kw):
+    """The gateway on 127.0.0.1 with an ephemeral port, in this event loop; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    cfg = GatewayConfig(address, host="127.0.0.1", port=port, model_name=MODEL, log_level="warning", **kw)
+    server = build_server(cfg)
+    server.config.install_signal_handlers = False  # older uvicorn; newer ones only capture inside serve()
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        end = time.monotonic() + 20
+        while not server.started:
+            if task.done():
+                task.result()
+                raise AssertionError("gateway exited before starting")
+            assert time.monotonic() < end, "gateway did not start"
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        if not task.done():
+            server.force_exit = True
+            task.cancel()
+        sock.close()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_message(url: str, text: str = "Describe it.") -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
+        }
+    ]
+
+
+async def wait_stats(addr: str, pred, timeout: float = 20.0) -> dict:
+    async with AsyncClient(addr) as c:
+        end = time.monotonic() + timeout
+        s = None
+        while True:
+            try:
+                s = await c.stats(timeout=1.0)
+                if pred(s):
+                    return s
+            except BrokerUnavailableError:
+                s = None
+            if time.monotonic() > end:
+                raise AssertionError(f"condition not met within {timeout}s; last stats: {s}")
+            await asyncio.sleep(0.05)
+
+
+async def test_chat_completions_with_openai_client(tmp_path):
+    allow = tmp_path / "images"
+    allow.mkdir()
+    png = demo_image(1, (64, 64))
+    (allow / "cat.png").write_bytes(png)
+    (tmp_path / "secret.png").write_bytes(png)
+    os.symlink(tmp_path / "secret.png", allow / "escape.png")
+
+    async with (
+        Cluster(noop_spec(tmp_path)) as cluster,
+        gateway(cluster.address, allow_dir=str(allow), max_body_bytes=2**20) as base,
+    ):
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+        try:
+            # streaming, multimodal, with a data: URL
+            stream = await oa.chat.completions.create(
+                model=MODEL, messages=image_message(data_url(png)), max_tokens=5, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            text, finishes, usage, roles = [], [], None, []
+            async for ch in stream:
+                assert ch.object == "chat.completion.chunk" and ch.model == MODEL
+                if ch.usage is not None:
+                    usage = ch.usage
+                for c in ch.choices:
+                    if c.delta.role:
+                        roles.append(c.delta.role)
+                    if c.delta.content:
+                        text.append(c.delta.content)
+                    if c.finish_reason:
+                        finishes.append(c.finish_reason)
+            streamed = "".join(text)
+            assert roles == ["assistant"]
+            assert streamed.count("<") == 5, streamed
+            assert finishes == ["length"]
+            assert usage is not None and usage.completion_tokens == 5 and usage.total_tokens == 5
+
+            # non-streaming, same request: same (deterministic) output
+            r = await oa.chat.completions.create(
+                model=MODEL, messages=image_message(data_url(png)), max_tokens=5
+            )
+            assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+            assert r.choices[0].message.role == "assistant"
+            assert r.choices[0].message.content == streamed
+            assert r.choices[0].finish_reason == "length"
+            assert r.usage.completion_tokens == 5
+
+            # text-only, string content, max_completion_tokens, stop as a string, seed
+            r = await oa.chat.completions.create(
+                model=MODEL, messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                max_completion_tokens=3, stop="\n\n", seed=7, temperature=0,
+            )  # fmt: skip
+            assert r.usage.completion_tokens == 3
+
+            # a local file under the allow-listed directory (plain relative path and file:// URL)
+            r1 = await oa.chat.completions.create(
+                model=MODEL, messages=image_message("cat.png"), max_tokens=5
+            )
+            r2 = await oa.chat.completions.create(
+                model=MODEL, messages=image_message((allow / "cat.png").as_uri()), max_tokens=5
+            )
+            assert r1.choices[0].message.content == r2.choices[0].message.content == streamed
+
+            # models
+            models = await oa.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+
+            # bad inputs -> 400
+            with pytest.raises(openai.BadRequestError):  # valid base64, not an image
+                await oa.chat.completions.create(
+                    model=MODEL, messages=image_message(data_url(b"not an image at all")), max_tokens=2
+                )
+            with pytest.raises(openai.BadRequestError):  # same, streaming
+                await oa.chat.completions.create(
+                    model=MODEL, messages=image_message(data_url(b"not an image")), max_tokens=2, stream=True
+                )
+            with pytest.raises(openai.BadRequestError):
+                await oa.chat.completions.create(
+                    model=MODEL, messages=image_message("data:image/png;base64,@@@"), max_tokens=2
+                )
+            for outside in (
+                str(tmp_path / "secret.png"),
+                "../secret.png",
+                "escape.png",
+                (tmp_path / "secret.png").as_uri(),
+                "/etc/passwd",
+            ):
+                with pytest.raises(openai.BadRequestError) as ei:
+                    await oa.chat.completions.create(
+                        model=MODEL, messages=image_message(outside), max_tokens=2
+                    )
+                assert ei.value.status_code == 400
+            with pytest.raises(openai.BadRequestError, match="remote image URLs are disabled"):
+                await oa.chat.completions.create(
+                    model=MODEL, messages=image_message("https://example.invalid/cat.png"), max_tokens=2
+                )
+            with pytest.raises(openai.BadRequestError):
+                await oa.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=0
+                )
+            with pytest.raises(openai.BadRequestError):
+                await oa.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+            with pytest.raises(openai.NotFoundError):
+                await oa.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+        finally:
+            await oa.close()
+
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/health") as resp:
+                assert resp.status == 200
+                h = await resp.json()
+                assert (
+                    h["status"] == "ok" and h["workers"].get("encoder") == 1 and h["workers"].get("pd") == 1
+                )
+            async with http.post(f"{base}/v1/chat/completions", data=b"{not json") as resp:
+                assert resp.status == 400
+                body = await resp.json()
+                assert set(body["error"]) >= {"message", "type", "code"}
+            big = b'{"model": "' + b"x" * (2 * 2**20) + b'"}'
+            async with http.post(f"{base}/v1/chat/completions", data=io.BytesIO(big)) as resp:
+                assert resp.status == 413
+            # unknown fields are ignored
+            payload = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2,
+                "logit_bias": {},
+                "user": "u",
+            }
+            async with http.post(f"{base}/v1/chat/completions", json=payload) as resp:
+                assert resp.status == 200, await resp.text()
+
+    # the broker is gone: /health says 503
+    async with gateway(f"ipc://{tmp_path}/sock/nobody") as base, aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/health") as resp:
+            assert resp.status == 503
+
+
+async def test_busy_is_429_and_disconnect_cancels(tmp_path):
+    """Capacity 1, queue 1: a third request gets 429 with Retry-After; a client that goes away
+    mid-stream cancels its request upstream."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(max_queued_requests=1, busy_retry_after_s=0.25),
+        worker_defaults={"engine": "noop", "capacity": 1, "noop_token_s": 30.0},
+    )  # fmt: skip
+    async with Cluster(spec) as cluster, gateway(cluster.address, stream_prime_s=0.5) as base:
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        http = aiohttp.ClientSession()
+        msg = [{"role": "user", "content": "x"}]
+        try:
+            # a stream that occupies the only PD slot; its headers come after stream_prime_s
+            running = await http.post(
+                f"{base}/v1/chat/completions",
+                json={"model": MODEL, "messages": msg, "max_tokens": 1, "stream": True},
+            )
+            assert running.status == 200
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+
+            # a request that waits past its deadline -> 504
+            async with gateway(cluster.address, request_timeout_s=1.0) as base2:
+                async with http.post(
+                    f"{base2}/v1/chat/completions", json={"model": MODEL, "messages": msg, "max_tokens": 1}
+                ) as resp:
+                    assert resp.status == 504, await resp.text()
+                    assert (await resp.json())["error"]["code"] == "deadline"
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_queued"] == 0)
+
+            queued = asyncio.create_task(oa.chat.completions.create(model=MODEL, messages=msg, max_tokens=1))
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_queued"] == 1)
+
+            with pytest.raises(openai.RateLimitError) as ei:
+                await oa.chat.completions.create(model=MODEL, messages=msg, max_tokens=1)
+            assert ei.value.status_code == 429
+            assert ei.value.response.headers["retry-after"] == "1"
+            assert ei.value.body["code"] == "busy"
+            with pytest.raises(openai.RateLimitError):
+                await oa.chat.completions.create(model=MODEL, messages=msg, max_tokens=1, stream=True)
+
+            # both clients go away: the broker drops both requests
+            running.close()
+            queued.cancel()
+            await asyncio.gather(queued, return_exceptions=True)
+            await wait_stats(
+                cluster.address,
+                lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0,
+            )
+        finally:
+            await http.close()
+            await oa.close()
+
+
+def test_error_mapping():
+    from epdq import BusyError, DeadlineExceededError, EngineError, InvalidInputError, WorkerLostError
+    from epdq.gateway import http_error
+
+    e = http_error(BusyError("full", retry_after=2.2))
+    assert (e.status, e.headers["Retry-After"], e.body()["error"]["code"]) == (429, "3", "busy")
+    assert http_error(InvalidInputError("bad")).status == 400
+    assert http_error(DeadlineExceededError("late")).status == 504
+    assert http_error(BrokerUnavailableError("gone")).status == 503
+    assert http_error(WorkerLostError("lost")).status == 502
+    assert http_error(EngineError("boom")).status == 500
+    assert http_error(RuntimeError("x")).status == 500
