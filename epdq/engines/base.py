@@ -159,3 +159,31 @@ def count_image_parts(messages: list[dict]) -> int:
         for part in msg["content"]
         if part.get("type") in _IMAGE_PART_TYPES
     )
+
+
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+
+
+def render_chat_prompt(tokenizer, messages: list[dict], max_images: int) -> str:
+    """The checkpoint's chat template applied to OpenAI-style messages, with exactly one
+    un-expanded image placeholder per image part (shared by every PD engine: the same prompt
+    on every route is what makes their outputs comparable)."""
+    from epdq.errors import InvalidInputError
+
+    validate_messages(messages)
+    n_images = count_image_parts(messages)
+    if n_images > max_images:
+        raise InvalidInputError(f"{n_images} images exceed max_images_per_prompt={max_images}")
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors: the template rejected these messages
+        raise InvalidInputError(f"chat template failed: {exc}") from exc
+    if prompt.count(IMAGE_PLACEHOLDER) != n_images:
+        raise InvalidInputError("the chat template did not produce one image placeholder per image part")
+    return prompt
+
+
+def embed_rows(grid_thw, merge_size: int) -> int:
+    """Rows of image embeddings for these [t, h, w] grids: sum(t*h*w) / merge^2."""
+    rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
+    return sum(int(t) * int(h) * int(w) for t, h, w in rows) // merge_size**2

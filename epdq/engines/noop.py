@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from epdq.engines.base import Delta, EncodedImage, SamplingSpec, validate_messages
+from epdq.engines.base import Delta, EncodedImage, SamplingSpec, embed_rows, validate_messages
 from epdq.errors import CancelledError, InvalidInputError
 
 PATCH = 14
@@ -86,8 +86,7 @@ class NoopPDEngine:
         return "\n".join(out) + "\nassistant:"
 
     def expected_embed_rows(self, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> int:
-        rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
-        return sum(int(t) * int(h) * int(w) for t, h, w in rows) // MERGE**2
+        return embed_rows(grid_thw, MERGE)
 
     async def generate(
         self,

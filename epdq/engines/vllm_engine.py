@@ -24,14 +24,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from epdq.engines.base import Delta, SamplingSpec, count_image_parts, validate_messages
+from epdq.engines.base import IMAGE_PLACEHOLDER, Delta, SamplingSpec, embed_rows, render_chat_prompt
 from epdq.errors import CancelledError, EngineError, InvalidInputError
 
 if TYPE_CHECKING:
     import PIL.Image
     import torch
 
-IMAGE_PLACEHOLDER = "<|image_pad|>"
 _DTYPES = ("float32", "bfloat16", "float16")
 # Process-wide defaults vLLM's children inherit; a value the user exported always wins.
 _ENV_DEFAULTS = {
@@ -190,23 +189,10 @@ class VllmEngine:
 
     # -- prompts ---------------------------------------------------------------------------
     def render_prompt(self, messages: list[dict]) -> str:
-        validate_messages(messages)
-        n_images = count_image_parts(messages)
-        if n_images > self.config.max_images_per_prompt:
-            raise InvalidInputError(
-                f"{n_images} images exceed max_images_per_prompt={self.config.max_images_per_prompt}"
-            )
-        try:
-            prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja errors: the template rejected these messages
-            raise InvalidInputError(f"chat template failed: {exc}") from exc
-        if prompt.count(IMAGE_PLACEHOLDER) != n_images:
-            raise InvalidInputError("the chat template did not produce one image placeholder per image part")
-        return prompt
+        return render_chat_prompt(self._tokenizer, messages, self.config.max_images_per_prompt)
 
     def expected_embed_rows(self, grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> int:
-        rows = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
-        return sum(int(t) * int(h) * int(w) for t, h, w in rows) // self.merge_size**2
+        return embed_rows(grid_thw, self.merge_size)
 
     # -- generation ------------------------------------------------------------------------
     async def generate(
