@@ -68,9 +68,10 @@ class Child:
             return ""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn for children: SIGTERM them when the parent dies (Linux PR_SET_PDEATHSIG)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except OSError:
         pass
 
@@ -99,7 +100,7 @@ class Cluster:
         ]
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, start_new_session=True,
+            preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
         out.close()
         child = Child(name, proc, path)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import resource
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from epdq.benchmarks.report import Progress, percentile, table, write_json
+from epdq.cluster import die_with_parent
 
 HIDDEN = 3584  # Qwen2.5-VL-7B hidden size
 MIB = 1 << 20
@@ -217,7 +217,7 @@ def _run_children(cfg: dict[str, Any], bar: Progress, timeout_s: float) -> dict[
                     stdin=subprocess.DEVNULL,
                     stdout=stdout,
                     stderr=log,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             )
         for fd in fds:  # the children hold their ends: a dead peer now reads as EOF
@@ -291,11 +291,6 @@ def _tail(f: Any, n: int = 4000) -> str:
     return f.read().decode(errors="replace")[-n:]
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -310,7 +305,7 @@ def _align(n: int, to: int = 4096) -> int:
 def _child() -> None:
     role, spec, a, b = sys.argv[1:5]
     cfg = json.loads(spec)
-    _die_with_parent()
+    die_with_parent()
     # SIGTERM (from the parent, or its death) unwinds normally, so the ring's segment is unlinked
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch

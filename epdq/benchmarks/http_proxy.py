@@ -25,10 +25,8 @@ at definition time, and the handlers are defined inside factory functions.
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -216,13 +214,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class HttpBaseline:
     """The three servers as child processes. `proxy_url(keepalive)` is where a client posts."""
 
@@ -239,6 +230,8 @@ class HttpBaseline:
         return self.url("proxy") + (KEEPALIVE_PATH if keepalive else NEW_CONNECTION_PATH)
 
     def _spawn(self, role: str, *extra: str) -> None:
+        from epdq.cluster import die_with_parent  # only the parent needs epdq; the servers don't
+
         port = free_port()
         self.ports[role] = port
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -246,7 +239,7 @@ class HttpBaseline:
             self.procs[role] = subprocess.Popen(
                 [sys.executable, "-m", "epdq.benchmarks.http_proxy", role, "--port", str(port), *extra],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent, start_new_session=True,
+                preexec_fn=die_with_parent, start_new_session=True,
             )  # fmt: skip
 
     def tail(self, role: str, n: int = 30) -> str:

@@ -61,13 +61,11 @@ POOL = [demo_image(300 + i, SIZES[i % len(SIZES)]) for i in range(12)]
 
 
 @pytest.fixture(scope="module")
-async def chaos_cluster(tmp_path_factory):
-    from epdq.models.tiny import write_tiny_checkpoint
+async def chaos_cluster(tmp_path_factory, model_dir):
     from epdq.ring import cleanup_stale_segments
 
     d = tmp_path_factory.mktemp("chaos")
-    model = str(write_tiny_checkpoint(d / "tiny"))
-    spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=2, pds=2, both=1, model=model,
+    spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=2, pds=2, both=1, model=model_dir,
                        log_dir=str(d / "logs"), start_timeout_s=400)  # fmt: skip
     c = Cluster(spec)
     try:

@@ -15,35 +15,14 @@ import pytest
 
 from epdq import AsyncClient, BrokerUnavailableError, BusyError, InvalidInputError
 from epdq.broker import BrokerConfig
-from epdq.cluster import Cluster, ClusterSpec, kill_child
+from epdq.cluster import Cluster, kill_child
 from epdq.demo import demo_image
 from epdq.security import SecurityConfig
+from tests.integration.helpers import noop_spec, wait_stats
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def noop_spec(tmp_path, **kw) -> ClusterSpec:
-    defaults = dict(
-        address=f"ipc://{tmp_path}/sock/broker", encoders=1, pds=1, log_dir=str(tmp_path / "logs"),
-        worker_defaults={"engine": "noop"}, start_timeout_s=60,
-    )  # fmt: skip
-    defaults.update(kw)
-    return ClusterSpec(**defaults)
-
-
-async def wait_stats(addr: str, pred, timeout: float = 20.0) -> dict:
-    async with AsyncClient(addr) as c:
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                s = await c.stats(timeout=1.0)
-                if pred(s):
-                    return s
-            except BrokerUnavailableError:
-                s = None
-            if time.monotonic() > end:
-                raise AssertionError(f"condition not met within {timeout}s; last stats: {s}")
-            await asyncio.sleep(0.05)
 
 
 async def test_backpressure_gate_answers_busy(tmp_path):

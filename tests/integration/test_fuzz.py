@@ -12,7 +12,6 @@ All cases come from fixed seeds, so a failure reproduces. No-op engines: no mode
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import io
 import math
@@ -35,11 +34,12 @@ from PIL import Image
 
 from epdq import AsyncClient
 from epdq import protocol as P
-from epdq.cluster import Cluster, ClusterSpec
+from epdq.cluster import Cluster, die_with_parent
 from epdq.demo import demo_image
 from epdq.errors import ProtocolError
 from epdq.ring import RingReader
 from epdq.worker.runner import WorkerConfig
+from tests.integration.helpers import noop_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -332,28 +332,13 @@ def worker_only(rng: random.Random) -> list[list[bytes]]:
 # ====================================================================== process / socket helpers
 
 
-def noop_spec(tmp_path: Path, **kw: Any) -> ClusterSpec:
-    defaults = dict(
-        address=f"ipc://{tmp_path}/sock/broker", encoders=1, pds=1, log_dir=str(tmp_path / "logs"),
-        worker_defaults={"engine": "noop"}, start_timeout_s=60,
-    )  # fmt: skip
-    defaults.update(kw)
-    return ClusterSpec(**defaults)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
 
 def spawn_worker(cfg: WorkerConfig, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "epdq.launch", "worker", msgspec.json.encode(cfg).decode()],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, start_new_session=True,
+            preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
 
 

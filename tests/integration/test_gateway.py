@@ -17,24 +17,17 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 import aiohttp  # noqa: E402
 
-from epdq import AsyncClient, BrokerUnavailableError  # noqa: E402
+from epdq import BrokerUnavailableError  # noqa: E402
 from epdq.broker import BrokerConfig  # noqa: E402
-from epdq.cluster import Cluster, ClusterSpec  # noqa: E402
+from epdq.cluster import Cluster  # noqa: E402
 from epdq.demo import demo_image  # noqa: E402
 from epdq.gateway import GatewayConfig, build_server  # noqa: E402
+from tests.integration.helpers import noop_spec, wait_stats  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MODEL = "epdq-test"
 
-
-def noop_spec(tmp_path, **kw) -> ClusterSpec:
-    defaults = dict(
-        address=f"ipc://{tmp_path}/sock/broker", encoders=1, pds=1, log_dir=str(tmp_path / "logs"),
-        worker_defaults={"engine": "noop"}, start_timeout_s=60,
-    )  # fmt: skip
-    defaults.update(kw)
-    return ClusterSpec(**defaults)
 
 
 @contextlib.asynccontextmanager
@@ -79,21 +72,6 @@ def image_message(url: str, text: str = "Describe it.") -> list[dict]:
         }
     ]
 
-
-async def wait_stats(addr: str, pred, timeout: float = 20.0) -> dict:
-    async with AsyncClient(addr) as c:
-        end = time.monotonic() + timeout
-        s = None
-        while True:
-            try:
-                s = await c.stats(timeout=1.0)
-                if pred(s):
-                    return s
-            except BrokerUnavailableError:
-                s = None
-            if time.monotonic() > end:
-                raise AssertionError(f"condition not met within {timeout}s; last stats: {s}")
-            await asyncio.sleep(0.05)
 
 
 async def test_chat_completions_with_openai_client(tmp_path):

@@ -49,12 +49,6 @@ async def collect(engine, prompt: str, spec: SamplingSpec, rid: str | None = Non
     return await asyncio.wait_for(run(), REQUEST_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from epdq.models.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny")
-
 
 @pytest.fixture(scope="module")
 def encoder(model_dir):

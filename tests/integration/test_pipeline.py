@@ -25,12 +25,6 @@ def img(seed: int, size=(112, 112)) -> bytes:
     return demo_image(seed, size)
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    from epdq.models.tiny import write_tiny_checkpoint
-
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny"))
-
 
 @pytest.fixture(scope="session")
 async def local_cluster(tmp_path_factory, model_dir):
