@@ -104,16 +104,28 @@ def up(
     log_dir: str = typer.Option("", help="Where child logs go (default: a temporary directory)."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
+    http: str = typer.Option("", help="HOST:PORT for the OpenAI-compatible gateway (off when empty)."),
+    model_name: str = typer.Option("epdq", help="Model id the gateway advertises (with --http)."),
+    allow_dir: str = typer.Option("", help="Gateway: serve local image files under this directory."),
+    metrics: str = typer.Option("", help="HOST:PORT for the broker's Prometheus /metrics and /health."),
+    log_format: str = typer.Option("text", help="Child logs: text or json"),
 ) -> None:
-    """Start broker + workers on this machine; serve until Ctrl-C."""
+    """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
 
     if colocated:
         encoders, pds, both = 0, 0, max(pds, 1) + both
-    spec = ClusterSpec(
-        address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir, keys_dir=keys_dir,
-        insecure=insecure,
-    )  # fmt: skip
+    http_options: dict = {"model_name": model_name}
+    if allow_dir:
+        http_options["allow_dir"] = allow_dir
+    try:
+        spec = ClusterSpec(
+            address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir,
+            keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
+            log_format=log_format,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     cluster = Cluster(spec)
 
     async def main() -> None:
@@ -123,6 +135,11 @@ def up(
             if cluster.keys_dir:
                 typer.echo(f"  CURVE keys: {cluster.keys_dir} (clients use client.key_secret and broker.key)")
             typer.echo(f'  epdq generate "Describe this." --image photo.png --address {address}')
+            if cluster.http_url:
+                typer.echo(f"  OpenAI-compatible API: {cluster.http_url}/v1  (model {model_name!r})")
+            if metrics:
+                typer.echo(f"  Prometheus: broker http://{metrics}/metrics, gateway {cluster.http_url}/metrics"
+                           if cluster.http_url else f"  Prometheus: http://{metrics}/metrics")  # fmt: skip
             typer.echo("Ctrl-C stops everything.")
             while True:
                 await asyncio.sleep(1.0)
@@ -242,15 +259,20 @@ def serve_http(
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
+    log_format: str = typer.Option("text", help="text or json"),
 ) -> None:
-    """OpenAI-compatible HTTP gateway (/v1/chat/completions, /v1/models, /health)."""
+    """OpenAI-compatible HTTP gateway (/v1/chat/completions, /v1/models, /health, /metrics)."""
     from epdq.gateway import GatewayConfig, run
 
-    run(GatewayConfig(
-        broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
-        allow_remote_urls=allow_remote_urls, max_body_bytes=int(max_body_mb * 2**20), request_timeout_s=timeout,
-        keys_dir=keys_dir, insecure=insecure,
-    ))  # fmt: skip
+    try:
+        cfg = GatewayConfig(
+            broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
+            allow_remote_urls=allow_remote_urls, max_body_bytes=int(max_body_mb * 2**20),
+            request_timeout_s=timeout, keys_dir=keys_dir, insecure=insecure, log_format=log_format,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run(cfg)
 
 
 @app.command()

@@ -43,8 +43,19 @@ class ClusterSpec:
     start_timeout_s: float = 300.0
     keys_dir: str = ""  # CURVE keys for tcp; empty = $EPDQ_HOME/keys, created when missing
     insecure: bool = False  # plaintext tcp on loopback instead of CURVE
+    metrics: str = ""  # HOST:PORT for the broker's Prometheus /metrics and /health (off when empty)
+    http: str = ""  # HOST:PORT for the OpenAI-compatible gateway (off when empty)
+    http_options: dict = field(default_factory=dict)  # more GatewayConfig fields (allow_dir, model_name, ...)
 
     def __post_init__(self) -> None:
+        for name in ("metrics", "http"):
+            value = getattr(self, name)
+            if value:
+                host, sep, port = value.rpartition(":")
+                if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
+        if {"broker_address", "host", "port"} & set(self.http_options):
+            raise ValueError("http_options cannot set broker_address, host or port (use http=HOST:PORT)")
         if min(self.encoders, self.pds, self.both) < 0:
             raise ValueError("worker counts must be >= 0")
         if self.encoders + self.pds + self.both == 0:
@@ -129,6 +140,8 @@ class Cluster:
         if self.address.startswith("tcp://") and not self.spec.insecure:
             self.keys_dir = str(ensure_cluster_keys(self.spec.keys_dir or None))
         bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure)
+        if self.spec.metrics:
+            bcfg = dataclasses.replace(bcfg, metrics_address=self.spec.metrics)
         self._broker_cfg = bcfg
         say(f"starting broker on {self.address}")
         self._spawn("broker", "broker", bcfg)
@@ -142,6 +155,44 @@ class Cluster:
             say(f"starting {name}")
             self._spawn(name, "worker", wcfg)
         await self.wait_ready(want, say)
+        if self.spec.http:
+            host, _, port = self.spec.http.rpartition(":")
+            gcfg = dict(self.spec.http_options, broker_address=self.address, host=host, port=int(port),
+                        keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
+            say(f"starting the HTTP gateway on {self.http_url}")
+            self._spawn("gateway", "gateway", gcfg)
+            await self._wait_http(host, int(port))
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the gateway (`http=` in the spec), e.g. http://127.0.0.1:8000."""
+        if not self.spec.http:
+            return ""
+        host, _, port = self.spec.http.rpartition(":")
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def _wait_http(self, host: str, port: int) -> None:
+        """Until the gateway answers GET /health with 200 (it is 503 until it reaches the broker)."""
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while True:
+            self.check_alive()
+            try:
+                async with asyncio.timeout(2.0):
+                    reader, writer = await asyncio.open_connection(host, port)
+                    try:
+                        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                        status = (await reader.readline()).split()
+                    finally:
+                        writer.close()
+                if len(status) >= 2 and status[1] == b"200":
+                    return
+            except (OSError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway not healthy after {self.spec.start_timeout_s}s; logs in {self.log_dir}")
+            await asyncio.sleep(0.2)
 
     async def wait_ready(self, want: dict[str, int], say=lambda _m: None) -> dict:
         deadline = time.monotonic() + self.spec.start_timeout_s

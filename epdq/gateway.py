@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import stat
@@ -27,9 +28,10 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from epdq.metrics import GatewayMetrics
 from epdq.errors import (
     BrokerUnavailableError,
     BusyError,
@@ -38,6 +40,8 @@ from epdq.errors import (
     InvalidInputError,
     WorkerLostError,
 )
+
+log = logging.getLogger("epdq.gateway")
 
 
 @dataclass(slots=True)
@@ -57,8 +61,11 @@ class GatewayConfig:
     keys_dir: str = ""
     insecure: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one object per line (the CLI entry point sets logging up)
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
         if self.max_body_bytes < 1 or self.max_image_bytes < 1 or self.request_timeout_s <= 0:
             raise ValueError("max_body_bytes, max_image_bytes and request_timeout_s must be > 0")
         if self.default_max_tokens < 1:
@@ -267,6 +274,51 @@ def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str,
 # ---------------------------------------------------------------- app
 
 _END = object()
+
+
+@dataclass(slots=True)
+class _Record:
+    """One chat completion as the gateway saw it; finished exactly once, then logged and counted."""
+
+    request_id: str
+    t0: float
+    stream: bool = False
+    code: int = 500
+    images: int = 0
+    tokens: int = 0
+    first_s: float | None = None  # first token, seconds after t0
+    last_s: float | None = None
+    upstream_id: str = ""
+    error: str = ""
+    done: bool = False
+
+    def token(self, n: int) -> None:
+        if n:
+            now = time.perf_counter() - self.t0
+            if self.first_s is None:
+                self.first_s = now
+            self.last_s = now
+            self.tokens += n
+
+
+def _finish_record(rec: _Record, metrics: GatewayMetrics) -> None:
+    if rec.done:
+        return
+    rec.done = True
+    e2e = time.perf_counter() - rec.t0
+    tpot = (rec.last_s - rec.first_s) / (rec.tokens - 1) if rec.tokens > 1 and rec.first_s is not None else None
+    metrics.in_flight -= 1
+    metrics.finished(rec.code, rec.stream, tokens=rec.tokens, images=rec.images, ttft_s=rec.first_s,
+                     tpot_s=tpot, e2e_s=e2e)  # fmt: skip
+    ttft = f"{rec.first_s:.3f}" if rec.first_s is not None else "-"
+    log.info(
+        "request %s %d %s images=%d tokens=%d ttft_s=%s total_s=%.3f%s%s", rec.request_id, rec.code,
+        "stream" if rec.stream else "unary", rec.images, rec.tokens, ttft, e2e,
+        f" upstream={rec.upstream_id}" if rec.upstream_id else "", f" error={rec.error!r}" if rec.error else "",
+        extra={"request_id": rec.request_id, "event": "request_done", "status": rec.code,
+               "upstream_request_id": rec.upstream_id or None, "tokens": rec.tokens, "images": rec.images,
+               "ttft_s": rec.first_s, "total_s": round(e2e, 6)},
+    )  # fmt: skip
 _FINISH = {"stop", "length", "content_filter", "tool_calls"}
 
 
@@ -339,6 +391,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="epdq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    metrics = app.state.metrics = GatewayMetrics()
 
     @app.exception_handler(HTTPError)
     async def _on_http_error(_request: Request, exc: HTTPError) -> JSONResponse:
@@ -358,6 +411,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             {"status": "ok", "model": config.model_name, "workers": roles, "gauges": s["gauges"]}
         )
 
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(config)]}
@@ -370,6 +427,26 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        rec = _Record("chatcmpl-" + uuid.uuid4().hex, time.perf_counter())
+        metrics.in_flight += 1
+        try:
+            response = await _chat(request, rec)
+            rec.code = getattr(response, "status_code", 200)
+            return response
+        except HTTPError as e:
+            rec.code, rec.error = e.status, e.message
+            raise
+        except asyncio.CancelledError:
+            rec.code = 499
+            raise
+        except BaseException as e:
+            rec.code, rec.error = 500, type(e).__name__
+            raise
+        finally:
+            if not rec.stream or rec.code != 200:  # a live stream is finished by its pump
+                _finish_record(rec, metrics)
+
+    async def _chat(request: Request, rec: _Record):
         raw = await _read_body(request, config.max_body_bytes)
         try:
             req = ChatCompletionRequest.model_validate_json(raw)
@@ -381,12 +458,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise HTTPError(404, f"model {req.model!r} not found", "invalid_request_error", "model_not_found")
         kw = sampling_kwargs(req, config)
         messages = await to_epdq_messages(req, config)
+        rec.images = sum(
+            1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] != "text"
+        )
         client = request.app.state.client
-        rid = "chatcmpl-" + uuid.uuid4().hex
+        rid = rec.request_id
         created = int(time.time())
         if req.stream:
+            rec.stream = True
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _stream(request, client, messages, kw, rid, created, include_usage)
+            return await _stream(request, client, messages, kw, rec, created, include_usage)
         try:
             _, result = await _or_disconnect(request, client.generate(messages=messages, **kw))
         except asyncio.CancelledError:
@@ -394,6 +475,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - mapped to a status
             raise http_error(e) from None
         n = len(result.token_ids)
+        rec.upstream_id = result.request_id
+        rec.tokens, rec.first_s = n, result.timings.ttft_s if n else None
+        rec.last_s = rec.first_s + result.timings.tpot_s * (n - 1) if n else None
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
             "choices": [{
@@ -403,15 +487,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
         }  # fmt: skip
 
-    async def _stream(request, client, messages, kw, rid, created, include_usage):
+    async def _stream(request, client, messages, kw, rec, created, include_usage):
         q: asyncio.Queue = asyncio.Queue()
+        rid = rec.request_id
 
         async def pump() -> None:
             try:
                 async for d in client.stream(messages=messages, **kw):  # leaving it cancels upstream
+                    rec.token(len(d.token_ids))
                     q.put_nowait(d)
                 q.put_nowait(_END)
             except Exception as e:  # noqa: BLE001 - handed to the consumer
+                rec.error = str(e) or type(e).__name__
                 q.put_nowait(e)
 
         task = asyncio.create_task(pump())
@@ -470,6 +557,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 task.cancel()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        # the stream is counted and logged when its upstream ends (the pump always ends: done,
+        # failed, or cancelled when the consumer goes away)
+        task.add_done_callback(lambda _t: _finish_record(rec, metrics))
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app
@@ -485,9 +575,11 @@ def _model_card(config: GatewayConfig) -> dict:
 def build_server(config: GatewayConfig, **uvicorn_kw: Any):
     import uvicorn
 
+    # uvicorn's loggers propagate to ours (one format for every line); its access log is replaced
+    # by the gateway's own line per request, which carries the request id and timings
     ucfg = uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-        lifespan="on", proxy_headers=False, **uvicorn_kw,
+        lifespan="on", proxy_headers=False, log_config=None, access_log=False, **uvicorn_kw,
     )  # fmt: skip
     return uvicorn.Server(ucfg)
 
@@ -499,6 +591,9 @@ async def serve(config: GatewayConfig, *, sockets: list | None = None) -> None:
 
 def run(config: GatewayConfig) -> None:
     """Blocking entry point for the CLI: `serve` on a fresh event loop (uvloop when installed)."""
+    from epdq.logs import setup_logging
+
+    setup_logging(config.log_level, config.log_format)
     try:
         import uvloop
 

@@ -1,7 +1,7 @@
 """Process entry points used by `Cluster` (and so by `epdq up`, `epdq demo` and tests).
 
-`python -m epdq.launch broker '<json BrokerConfig>'` or `... worker '<json WorkerConfig>'`. The
-JSON is decoded strictly into the config dataclass, whose `__post_init__` validates it. SIGTERM
+`python -m epdq.launch broker '<json BrokerConfig>'`, `... worker '<json WorkerConfig>'` or
+`... gateway '<json GatewayConfig>'`. The JSON is decoded strictly into the config dataclass, whose `__post_init__` validates it. SIGTERM
 and SIGINT stop the process cleanly (rings unlinked, BYE sent).
 """
 
@@ -54,11 +54,20 @@ def run(coro) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (2, 3) or argv[0] not in ("broker", "worker"):
-        print("usage: python -m epdq.launch broker|worker JSON [LOG_FORMAT]", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[0] not in ("broker", "worker", "gateway"):
+        print("usage: python -m epdq.launch broker|worker|gateway JSON [LOG_FORMAT]", file=sys.stderr)
         return 2
-    setup_logging("info", argv[2] if len(argv) == 3 else "text")
-    if argv[0] == "broker":
+    log_format = argv[2] if len(argv) == 3 else "text"
+    setup_logging("info", log_format)
+    if argv[0] == "gateway":
+        import dataclasses
+
+        from epdq.gateway import GatewayConfig
+        from epdq.gateway import run as run_gateway
+
+        cfg = msgspec.json.decode(argv[1], type=GatewayConfig)
+        run_gateway(dataclasses.replace(cfg, log_format=log_format))  # uvicorn handles SIGTERM/SIGINT
+    elif argv[0] == "broker":
         from epdq.broker import BrokerConfig
 
         run(serve_broker(msgspec.json.decode(argv[1], type=BrokerConfig)))

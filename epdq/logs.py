@@ -8,6 +8,10 @@ import os
 import time
 
 
+# attributes every LogRecord has; anything else came through `extra=` and is an event field
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -17,6 +21,9 @@ class _JsonFormatter(logging.Formatter):
             "pid": record.process,
             "msg": record.getMessage(),
         }
+        for k, v in record.__dict__.items():  # request_id, event, ... from `extra=`
+            if k not in _STANDARD and k not in out:
+                out[k] = v if isinstance(v, str | int | float | bool | type(None)) else str(v)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

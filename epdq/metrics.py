@@ -97,3 +97,48 @@ class MetricsServer:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+
+
+class GatewayMetrics:
+    """What the HTTP gateway itself sees: requests by status, in flight, latency as users feel it.
+
+    The broker's /metrics has the pipeline's view (queues, encoders, ring); this is the edge's
+    view, so a dashboard can tell time spent in HTTP handling from time spent in the pipeline.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (status code, "stream"|"unary") -> count
+        self.in_flight = 0
+        self.completion_tokens = 0
+        self.images = 0
+        self.ttft = Histogram("epdq_gateway_ttft_seconds", "request received -> first token sent")
+        self.tpot = Histogram("epdq_gateway_tpot_seconds", "mean time per output token after the first",
+                              (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))  # fmt: skip
+        self.e2e = Histogram("epdq_gateway_request_seconds", "request received -> response finished")
+
+    def finished(self, code: int, stream: bool, *, tokens: int = 0, images: int = 0,
+                 ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:  # fmt: skip
+        key = (str(code), "stream" if stream else "unary")
+        self.requests[key] = self.requests.get(key, 0) + 1
+        self.completion_tokens += tokens
+        self.images += images
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None and tokens > 1:
+            self.tpot.observe(tpot_s)
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+
+    def render(self) -> str:
+        out = render_family(
+            "epdq_gateway_requests_total", "counter", "chat completion requests by HTTP status",
+            [({"code": c, "mode": m}, v) for (c, m), v in sorted(self.requests.items())],
+        )  # fmt: skip
+        out += render_family("epdq_gateway_in_flight", "gauge", "requests being served", [({}, self.in_flight)])
+        out += render_family("epdq_gateway_completion_tokens_total", "counter", "tokens sent to clients",
+                             [({}, self.completion_tokens)])  # fmt: skip
+        out += render_family("epdq_gateway_images_total", "counter", "images received in requests",
+                             [({}, self.images)])  # fmt: skip
+        for h in (self.ttft, self.tpot, self.e2e):
+            out += h.render()
+        return "\n".join(out) + "\n"

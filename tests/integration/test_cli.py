@@ -1,7 +1,8 @@
-"""The `epdq` command as a user runs it: demo, and up + generate + Ctrl-C."""
+"""The `epdq` command as a user runs it: demo, and up (+ HTTP gateway, metrics) + generate + Ctrl-C."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -43,10 +45,27 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_up_generate_and_ctrl_c_stops_everything(tmp_path):
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _sample(metrics: str, name: str, labels: str = "") -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name}{labels} not in metrics:\n{metrics}")
+
+
+def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
+    http_port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
-        [*EPDQ, "up", "--address", addr, "--log-dir", str(tmp_path / "logs")],
+        [*EPDQ, "up", "--address", addr, "--log-dir", str(tmp_path / "logs"), "--http", f"127.0.0.1:{http_port}",
+         "--metrics", f"127.0.0.1:{metrics_port}", "--model-name", "tiny", "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
@@ -56,12 +75,13 @@ def test_up_generate_and_ctrl_c_stops_everything(tmp_path):
             line = up.stdout.readline()
             assert line, "epdq up exited early:\n" + "".join(lines)
             lines.append(line)
-            if "epdq is up" in line:
+            if "Ctrl-C stops everything" in line:  # the last line of the banner
                 break
         else:
             pytest.fail("epdq up did not come up:\n" + "".join(lines))
         children = _children(up.pid)
-        assert len(children) == 3  # broker, encoder, pd
+        assert len(children) == 4  # broker, encoder, pd, gateway
+        assert f"http://127.0.0.1:{http_port}/v1" in "".join(lines)
 
         image = tmp_path / "pic.png"
         image.write_bytes(demo_image(5, (112, 112)))
@@ -72,6 +92,35 @@ def test_up_generate_and_ctrl_c_stops_everything(tmp_path):
         assert g.returncode == 0, g.stderr
         result = json.loads(g.stdout)
         assert len(result["token_ids"]) >= 1 and result["timings"]["route"] == "epd"
+
+        # the same request through the gateway `up` started, streamed by the official openai client
+        import openai
+
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=120)
+        url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
+        chunks = list(oa.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0,
+            stream=True,
+        ))  # fmt: skip
+        oa.close()
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == result["text"]  # same model, same prompt, greedy: same tokens
+
+        code, gm = _get(f"http://127.0.0.1:{http_port}/metrics")
+        assert code == 200
+        assert _sample(gm, "epdq_gateway_requests_total", '{code="200",mode="stream"}') == 1
+        assert _sample(gm, "epdq_gateway_completion_tokens_total") == len(result["token_ids"])
+        assert _sample(gm, "epdq_gateway_images_total") == 1
+        assert _sample(gm, "epdq_gateway_ttft_seconds_count") == 1
+        assert _sample(gm, "epdq_gateway_in_flight") == 0
+        code, bm = _get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert code == 200
+        assert _sample(bm, "epdq_requests_completed_total") >= 2
+        assert _sample(bm, "epdq_cache_hits_total") >= 1  # the gateway's image was the CLI's image
+        assert _sample(bm, "epdq_workers", '{role="encoder",state="idle"}') == 1
+        assert _get(f"http://127.0.0.1:{metrics_port}/health")[0] == 200
+        assert _get(f"http://127.0.0.1:{http_port}/health")[0] == 200
 
         st = subprocess.run([*EPDQ, "status", addr, "--once", "--json"], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0, st.stderr
@@ -94,6 +143,15 @@ def test_up_generate_and_ctrl_c_stops_everything(tmp_path):
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+        # --log-format json: epdq's lines are JSON objects (vLLM prints its own); request lines carry ids
+        events = []
+        for log_file in (tmp_path / "logs").glob("*.log"):
+            for line in log_file.read_text().splitlines():
+                if line.startswith("{"):
+                    events.append(json.loads(line))
+        done = [e for e in events if e.get("event") == "request_done" and e["logger"] == "epdq.gateway"]
+        assert len(done) == 1 and done[0]["request_id"].startswith("chatcmpl-") and done[0]["status"] == 200
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)

@@ -206,6 +206,26 @@ async def test_chat_completions_with_openai_client(tmp_path):
             async with http.post(f"{base}/v1/chat/completions", json=payload) as resp:
                 assert resp.status == 200, await resp.text()
 
+            # the gateway's own metrics saw all of the above
+            async with http.get(f"{base}/metrics") as resp:
+                assert resp.status == 200 and resp.content_type == "text/plain"
+                text = await resp.text()
+            m = {}
+            for line in text.splitlines():
+                if line and not line.startswith("#"):
+                    name, value = line.rsplit(" ", 1)
+                    m[name] = float(value)
+            req = "epdq_gateway_requests_total"
+            assert m[f'{req}{{code="200",mode="stream"}}'] == 1
+            assert m[f'{req}{{code="200",mode="unary"}}'] == 5
+            assert m[f'{req}{{code="400",mode="unary"}}'] >= 9 and m[f'{req}{{code="400",mode="stream"}}'] == 1
+            assert m[f'{req}{{code="404",mode="unary"}}'] == 1 and m[f'{req}{{code="413",mode="unary"}}'] == 1
+            assert m["epdq_gateway_in_flight"] == 0
+            assert m["epdq_gateway_completion_tokens_total"] == 5 + 5 + 3 + 5 + 5 + 2
+            assert m["epdq_gateway_images_total"] >= 4
+            assert m["epdq_gateway_ttft_seconds_count"] == 6 and m["epdq_gateway_request_seconds_count"] >= 6
+            assert m['epdq_gateway_ttft_seconds_bucket{le="+Inf"}'] == 6
+
     # the broker is gone: /health says 503
     async with gateway(f"ipc://{tmp_path}/sock/nobody") as base, aiohttp.ClientSession() as http:
         async with http.get(f"{base}/health") as resp:
