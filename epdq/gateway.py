@@ -31,7 +31,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from epdq.metrics import GatewayMetrics
 from epdq.errors import (
     BrokerUnavailableError,
     BusyError,
@@ -40,6 +39,7 @@ from epdq.errors import (
     InvalidInputError,
     WorkerLostError,
 )
+from epdq.metrics import GatewayMetrics
 
 log = logging.getLogger("epdq.gateway")
 

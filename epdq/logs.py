@@ -7,7 +7,6 @@ import logging
 import os
 import time
 
-
 # attributes every LogRecord has; anything else came through `extra=` and is an event field
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 
