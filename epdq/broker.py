@@ -402,6 +402,7 @@ class Broker:
             return
         ref.node = reg.node
         ref.fetch_endpoint = reg.fetch_endpoint
+        ref.ring_kind, ref.cuda_ring = reg.ring_kind, reg.cuda_ring  # a CUDA ring's IPC handle, from REGISTER
         self.hist["encode"].observe(msg.encode_s)
         self.scheduler.on_encoded(peer.worker_id, msg.job_id, ref)
 

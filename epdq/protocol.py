@@ -164,6 +164,22 @@ class Stats(_S):
 # ---------------------------------------------------------------- workers
 
 
+class CudaRing(_S):
+    """How a process on the same node maps an encoder's CUDA ring (`epdq.ring_cuda`): the fields of
+    torch's CUDA IPC sharing of one device buffer, as plain values (never pickled). Sent once, in the
+    encoder's REGISTER; the broker copies it onto every EmbedRef of that encoder."""
+
+    device_uuid: str  # the GPU, by UUID: device indices differ between processes (CUDA_VISIBLE_DEVICES)
+    device_index: int  # in the encoder's own numbering (informational)
+    handle: bytes  # the allocation's IPC handle (torch's format; opaque)
+    storage_bytes: int  # the ring buffer's size
+    storage_offset: int  # its offset inside the shared allocation
+    ref_counter_handle: bytes  # torch's producer-side reference counter (a shared-memory file name)
+    ref_counter_offset: int
+    event_handle: bytes  # IPC event the reader waits on once, when it maps the buffer
+    event_sync_required: bool
+
+
 class Register(_S):
     worker_id: str
     role: str  # "encoder" | "pd" | "both"
@@ -176,6 +192,8 @@ class Register(_S):
     ring_segment: str = ""
     ring_capacity: int = 0
     fetch_endpoint: str = ""
+    ring_kind: str = ""  # "" or "shm": a POSIX shared-memory segment; "cuda": a CUDA ring (cuda_ring)
+    cuda_ring: CudaRing | None = None
 
 
 class Registered(_S):
@@ -213,6 +231,8 @@ class EmbedRef(_S):
     shape: list[int]
     grid: list[int]  # image_grid_thw of this image: [t, h, w]
     fetch_endpoint: str
+    ring_kind: str = ""  # "" or "shm": `segment` is a shared-memory segment; "cuda": a CUDA ring
+    cuda_ring: CudaRing | None = None  # set by the broker from the encoder's registration
 
 
 class Encode(_S):
