@@ -66,7 +66,11 @@ def worker(
     node: str = typer.Option("", help="Node id (default: hostname); same id = same shared-memory ring."),
     capacity: int = typer.Option(0, help="Jobs held at once (0 = role default)."),
     ring_mb: int = typer.Option(256, help="Encoder ring size, MiB."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N: where the vision tower / the hf PD engine run."),
+    ring: str = typer.Option(
+        "auto", help="Encoder ring: auto (cuda on a GPU, else shm), shm (shared memory) or cuda (device memory)."
+    ),
     fetch_bind: str = typer.Option(
         "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
     ),
@@ -83,11 +87,14 @@ def worker(
     from epdq.worker.runner import WorkerConfig
 
     setup_logging("info", log_format)
-    cfg = WorkerConfig(
-        role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20, dtype=dtype,
-        fetch_bind=fetch_bind, threads=threads, engine=engine, heartbeat_s=heartbeat, keys_dir=keys_dir,
-        insecure=insecure,
-    )  # fmt: skip
+    try:
+        cfg = WorkerConfig(
+            role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
+            dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, threads=threads, engine=engine,
+            heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure,
+        )  # fmt: skip
+    except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
+        raise typer.BadParameter(str(e)) from None
     _run(serve_worker(cfg))
 
 

@@ -93,9 +93,16 @@ class HFPDEngine:
         import torch
         from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText.from_pretrained(
-            self.model_dir, dtype=getattr(torch, self.dtype_name), trust_remote_code=True
-        )
+        dtype = getattr(torch, self.dtype_name)
+        model = None
+        if self.device != "cpu":
+            # straight onto the GPU: no full copy of the weights in host memory first
+            with contextlib.suppress(ImportError, ValueError, TypeError):
+                model = AutoModelForImageTextToText.from_pretrained(
+                    self.model_dir, dtype=dtype, trust_remote_code=True, device_map={"": self.device}
+                )
+        if model is None:
+            model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, trust_remote_code=True)
         model.to(self.device).eval()
         if self.mode == "both":
             from transformers import AutoImageProcessor
@@ -367,6 +374,7 @@ def _sample(logits, s: SamplingSpec, generator) -> int:
 
     if s.temperature == 0 or generator is None:
         return int(torch.argmax(logits))
+    logits = logits.cpu()  # the generator lives on the CPU: seeded sampling is the same on any device
     probs = torch.softmax(logits / s.temperature, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)

@@ -44,6 +44,7 @@ class HFVisionEncoder:
         dtype: str = "float32",
         device: str = "cpu",
         max_batch_images: int = 32,
+        output_device: str = "cpu",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -52,6 +53,9 @@ class HFVisionEncoder:
         self.model_dir = pathlib.Path(model_dir)
         self.dtype: torch.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
+        # where embeddings are returned: the CPU (for the shared-memory ring) or the tower's own GPU
+        # (for a CUDA ring: the bytes then never leave the device)
+        self.output_device = torch.device(output_device)
         self.max_batch_images = max_batch_images
 
         from transformers import AutoConfig, AutoImageProcessor
@@ -107,7 +111,7 @@ class HFVisionEncoder:
         pixels, grid = self.preprocess(images)
         out = self.model(pixels.to(self.device, self.dtype), grid_thw=grid.to(self.device))
         embeds = getattr(out, "pooler_output", out)  # older transformers return the tensor itself
-        embeds = embeds.to("cpu")
+        embeds = embeds.to(self.output_device)
         rows = self.expected_rows(grid)
         if embeds.shape[0] != sum(rows) or embeds.shape[1] != self.hidden_size:
             raise RuntimeError(

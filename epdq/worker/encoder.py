@@ -1,7 +1,8 @@
 """Encoder worker: pulls encode jobs, runs the vision tower in batches, writes the ring.
 
 Jobs arrive as the broker spends our credit; everything held when the engine becomes free is
-encoded in ONE forward. Each embedding goes into this process's shared-memory ring (pinned), and
+encoded in ONE forward. Each embedding goes into this process's ring (pinned): shared memory, or
+on a GPU a CUDA ring (`epdq.ring_cuda`) that PD workers on the same GPU copy from directly, and
 a small completion event with its location goes back to the broker. Bytes for PD workers on
 other nodes are served from the ring by a fetch socket (ROUTER) this worker binds.
 """
@@ -65,6 +66,7 @@ class EncoderWorker:
         self._fetch: Channel | None = None
         self.fetch_endpoint = ""
         self.link: Any = None  # BrokerLink, set by the runner
+        self._ring_kind = getattr(ring, "kind", "")  # "" = the shared-memory ring; "cuda" = epdq.ring_cuda
         self.encoded = 0
 
     def open_fetch_socket(self) -> str:
@@ -191,6 +193,7 @@ class EncoderWorker:
         ref = P.EmbedRef(
             job.key, self.worker_id, self.node, self.ring.name, loc.offset, loc.nbytes, loc.generation,
             str(t.dtype).removeprefix("torch."), list(t.shape), list(out.grid_thw), self.fetch_endpoint,
+            self._ring_kind,  # the IPC handle of a CUDA ring is stamped on by the broker (see REGISTER)
         )  # fmt: skip
         self.encoded += 1
         self.link.send(P.Encoded(job.job_id, ref, encode_s))

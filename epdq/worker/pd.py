@@ -116,6 +116,7 @@ class PDWorker:
         max_image_pixels: int,
         ctx: zmq.Context | None = None,
         security: Any = None,
+        device: str = "cpu",
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -130,6 +131,16 @@ class PDWorker:
         self.link: Any = None
         self.local_reads = 0
         self.remote_reads = 0
+        # where the engine wants its embeddings; on a GPU, entries of CUDA rings on the same GPU
+        # are copied device-to-device (epdq.ring_cuda), everything else is copied up once
+        self.device = torch.device(device)
+        self.cuda_reader: Any = None
+        self.cuda_reads = 0
+        self._warned_rings: set[str] = set()
+        if self.device.type == "cuda":
+            from epdq.ring_cuda import CudaRingReader
+
+            self.cuda_reader = CudaRingReader(self.device)
 
     def on_registered(self, again: bool) -> None:
         if again:
@@ -238,8 +249,10 @@ class PDWorker:
             if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
         grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
+        if self.device.type != "cpu":
+            return await self._gather_device(refs, dtype, hidden), grid, None
         r = refs[0]
-        if len(refs) == 1 and r.node == self.node and r.segment:
+        if len(refs) == 1 and self._local_shm(r):
             self.local_reads += 1
             view = self.reader.view(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape))
             return view, grid, r
@@ -253,7 +266,7 @@ class PDWorker:
             if ident in first:
                 out.copy_(first[ident])
                 continue
-            if r.node == self.node and r.segment:
+            if self._local_shm(r):
                 self.reader.read(
                     r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape), out=out
                 )
@@ -265,8 +278,71 @@ class PDWorker:
             first[ident] = out
         return embeds, grid, None
 
+    def _local_shm(self, r: P.EmbedRef) -> bool:
+        """A shared-memory ring entry on this node (a CUDA ring entry never is: its name is no segment)."""
+        return r.ring_kind in ("", "shm") and r.node == self.node and bool(r.segment)
+
+    def _local_cuda(self, r: P.EmbedRef) -> bool:
+        """An entry of a CUDA ring on this worker's GPU that this process can map."""
+        if self.cuda_reader is None or r.ring_kind != "cuda" or r.node != self.node:
+            return False
+        if self.cuda_reader.usable(r):
+            if r.segment not in self._warned_rings:
+                self._warned_rings.add(r.segment)
+                log.info("mapped CUDA ring %s of %s: device-to-device reads", r.segment, r.encoder_id)
+            return True
+        why = self.cuda_reader.failure(r.segment)
+        if r.segment not in self._warned_rings:
+            self._warned_rings.add(r.segment)
+            log.warning(
+                "CUDA ring %s of %s: %s; reading its entries through the encoder's fetch socket", r.segment,
+                r.encoder_id, why or "on another GPU" if r.cuda_ring is not None else "no IPC handle in the reference",
+            )  # fmt: skip
+        return False
+
+    async def _gather_device(self, refs: list[P.EmbedRef], dtype: torch.dtype, hidden: int) -> torch.Tensor:
+        """`_gather` for an engine on a GPU: one tensor on that GPU; CUDA ring entries on the same GPU
+        are copied device-to-device, other entries are read to host memory first and copied up."""
+        host: dict[tuple[bytes, int], torch.Tensor] = {}
+        for r in refs:  # first everything that awaits: no stream context may span an await
+            ident = (r.key, r.generation)
+            if ident in host or self._local_cuda(r):
+                continue
+            if self._local_shm(r):
+                host[ident] = self.reader.read(
+                    r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape)
+                )
+                self.local_reads += 1
+            else:
+                data = await self.fetcher.fetch(r)
+                host[ident] = torch.frombuffer(data, dtype=dtype).view(r.shape)
+                self.remote_reads += 1
+        rd = self.cuda_reader
+        embeds = rd.empty((sum(r.shape[0] for r in refs), hidden), dtype)
+        first: dict[tuple[bytes, int], torch.Tensor] = {}
+        row = 0
+        with rd.stream():
+            for r in refs:
+                out = embeds[row : row + r.shape[0]]
+                row += r.shape[0]
+                ident = (r.key, r.generation)
+                if ident in first:
+                    out.copy_(first[ident])
+                elif ident in host:
+                    out.copy_(host[ident])
+                else:
+                    rd.read(r, dtype, out=out)  # checked against the ring's header after the copy
+                    self.cuda_reads += 1
+                first[ident] = out
+        return rd.finish(embeds)
+
     def close(self) -> None:
         for t in self._tasks.values():
             t.cancel()
         self.fetcher.close()
         self.reader.close()
+        if self.cuda_reader is not None:
+            log.info(
+                "embedding reads: cuda=%d shm=%d remote=%d", self.cuda_reads, self.local_reads, self.remote_reads
+            )
+            self.cuda_reader.close()

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from epdq import protocol as P
+from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
 log = logging.getLogger("epdq.worker")
@@ -27,7 +28,9 @@ class WorkerConfig:
     worker_id: str = ""
     capacity: int = 0  # jobs held at once (0 = role default)
     ring_bytes: int = 256 * 2**20
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on a CUDA device, float32 on the CPU
+    device: str = "cpu"  # cpu, cuda or cuda:N: where the vision tower / the hf PD engine run
+    ring: str = "auto"  # encoder ring: auto (cuda on a CUDA device, else shm), shm or cuda
     fetch_bind: str = ""  # where an encoder serves ring bytes to other nodes ("" = see fetch_endpoint)
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 40_000_000
@@ -62,8 +65,10 @@ class WorkerConfig:
             raise ValueError("noop delays must be >= 0")
         if not 1 <= self.threads <= 1024:
             raise ValueError("threads must be in [1, 1024]")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be float32, bfloat16 or float16")
+        # device first: the ring and dtype defaults depend on it; a missing GPU fails here, at start-up
+        self.device = check_device(self.device)
+        self.ring = resolve_ring(self.ring, self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
         self.node = self.node or socket.gethostname()
         self.worker_id = self.worker_id or f"{self.role}-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         if len(self.worker_id) > 128:
@@ -114,15 +119,33 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by dead processes", len(removed))
-    if cfg.engine == "noop":
-        from epdq.engines.noop import NoopVisionEngine
+    _use_device(cfg.device)
+    ring_extra: dict = {}
+    if cfg.ring == "cuda":
+        from epdq.ring_cuda import CudaRingWriter
 
-        engine = NoopVisionEngine(cost_s=cfg.noop_encode_s)
-    else:
-        from epdq.engines.vision import HFVisionEncoder
+        # allocated before the model so that it is an allocation of its own (what IPC shares)
+        ring = CudaRingWriter(cfg.ring_bytes, device=cfg.device, owner_tag="enc")
+        ring_extra = {"ring_kind": "cuda", "cuda_ring": ring.export()}
+    try:
+        if cfg.engine == "noop":
+            from epdq.engines.noop import NoopVisionEngine
 
-        engine = await asyncio.to_thread(HFVisionEncoder, model, dtype=cfg.dtype)
-    ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
+            engine = NoopVisionEngine(cost_s=cfg.noop_encode_s)
+        else:
+            from epdq.engines.vision import HFVisionEncoder
+
+            # embeddings stay on the GPU when the ring is there too
+            engine = await asyncio.to_thread(
+                HFVisionEncoder, model, dtype=cfg.dtype, device=cfg.device,
+                output_device=cfg.device if cfg.ring == "cuda" else "cpu",
+            )  # fmt: skip
+    except BaseException:
+        if ring_extra:
+            ring.close()
+        raise
+    if not ring_extra:
+        ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
     worker = EncoderWorker(
         engine, ring, worker_id=cfg.worker_id, node=cfg.node, max_image_bytes=cfg.max_image_bytes,
         max_image_pixels=cfg.max_image_pixels, fetch_bind=fetch_bind, security=security,
@@ -131,7 +154,7 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
         fetch = worker.open_fetch_socket()
         reg = P.Register(
             cfg.worker_id, "encoder", cfg.node, cfg.capacity, engine.scope, os.path.basename(model), os.getpid(),
-            ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch,
+            ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch, **ring_extra,
         )  # fmt: skip
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
@@ -141,8 +164,9 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
         worker.start()
         link.start()
         log.info(
-            "encoder %s up (ring %s, %d MiB, fetch %s)", cfg.worker_id, ring.name, ring.capacity >> 20, fetch
-        )
+            "encoder %s up (ring %s, %d MiB, fetch %s%s)", cfg.worker_id, ring.name, ring.capacity >> 20, fetch,
+            f", on {cfg.device}" if cfg.device != "cpu" else "",
+        )  # fmt: skip
         loop_task = asyncio.create_task(worker.run())
         try:
             await _until(stop, loop_task)
@@ -160,6 +184,8 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
     from epdq.worker.pd import PDWorker
 
     colocated = cfg.role == "both"
+    _use_device(cfg.device)
+    embed_device = "cpu"  # where the engine takes embeddings: the hf engine on its device
     if cfg.engine == "noop":
         from epdq.engines.noop import NoopPDEngine
 
@@ -168,11 +194,14 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
         from epdq.engines.hf_pd import HFPDEngine
 
         engine = await asyncio.to_thread(
-            HFPDEngine, model, mode="both" if colocated else "pd", dtype=cfg.dtype,
+            HFPDEngine, model, mode="both" if colocated else "pd", dtype=cfg.dtype, device=cfg.device,
             max_model_len=cfg.max_model_len, max_images_per_prompt=cfg.max_images_per_prompt,
         )  # fmt: skip
+        embed_device = cfg.device
     else:
         from epdq.engines.vllm_engine import VllmEngine
+
+        _vllm_device(cfg.device)
 
         engine = VllmEngine(
             model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
@@ -183,6 +212,7 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
     worker = PDWorker(
         engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
         max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels, security=security,
+        device=embed_device,
     )  # fmt: skip
     try:
         reg = P.Register(
@@ -202,6 +232,26 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security) 
             link.close()
     finally:
         await engine.close()
+
+
+def _use_device(device: str) -> None:
+    """Make a CUDA device this process's current one (streams, IPC mappings and library code that
+    asks for 'the' device then agree); nothing on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def _vllm_device(device: str) -> None:
+    """vLLM picks its GPU itself: the engine processes it starts see only the chosen one."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.split(":")[1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(index + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index] if index < len(ids) else str(index)
+    log.info("vLLM engine on %s (CUDA_VISIBLE_DEVICES=%s for its processes)", device, os.environ["CUDA_VISIBLE_DEVICES"])
 
 
 async def _until(stop: asyncio.Event, task: asyncio.Task | None) -> None:
