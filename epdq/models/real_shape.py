@@ -260,7 +260,17 @@ def write_checkpoint(
 
 def write_tokenizer(d: pathlib.Path, spec: ShapeSpec) -> None:
     """tokenizer.json + tokenizer_config.json with Qwen's special-token ids (see the module doc)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
