@@ -126,7 +126,12 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
 
         # allocated before the model so that it is an allocation of its own (what IPC shares)
         ring = CudaRingWriter(cfg.ring_bytes, device=cfg.device, owner_tag="enc")
-        ring_extra = {"ring_kind": "cuda", "cuda_ring": ring.export()}
+        try:
+            shared = ring.export()
+        except Exception as e:  # noqa: BLE001 - e.g. no CUDA IPC in this container
+            log.warning("cannot share the CUDA ring (%s: %s); PD workers will fetch its entries", type(e).__name__, e)
+            shared = None
+        ring_extra = {"ring_kind": "cuda", "cuda_ring": shared}
     try:
         if cfg.engine == "noop":
             from epdq.engines.noop import NoopVisionEngine

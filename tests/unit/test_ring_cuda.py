@@ -429,3 +429,20 @@ def test_json_roundtrip_of_handle_fields_is_lossless():
     ring = fake_ring(handle=bytes(range(256)) * 2)
     assert msgspec.json.decode(msgspec.json.encode(ring), type=P.CudaRing) == ring
     assert isinstance(json.loads(msgspec.json.encode(ring))[2], str)  # array-like: positional
+
+
+def test_handoff_gpu_rows_dry_run_and_skip(tmp_path):
+    """The GPU rows' two processes and protocol run with device "cpu" (no IPC there: the CUDA ring
+    row reports failed, the others are measured); without CUDA the default reports them skipped."""
+    from epdq.benchmarks import handoff
+
+    kw = dict(sizes_mib=(1,), repeats=2, out_dir=tmp_path, plot=False, progress=False, pool_mib=16, ring_mib=16)
+    c = handoff.run(cuda=True, device="cpu", **kw)["cuda"]
+    assert c["status"] == "ok" and c["failed"] == ["cuda_ring"] and "only a ring on a CUDA device" in c["reader_stderr"]
+    ok = {r["method"] for r in c["results"] if r["status"] == "ok"}
+    assert ok == {"cuda_d2d", "shm_ring_gpu", "safetensors_gpu"}
+    assert all(r["p50_ms"] > 0 for r in c["results"] if r["status"] == "ok")
+    if not HAS_CUDA:
+        skipped = handoff.run(**kw)["cuda"]
+        assert skipped["status"] == "skipped: no CUDA"
+        assert "skipped: no CUDA" in handoff._render_cuda(skipped, {"dtype": "bfloat16", "hidden": 3584})
