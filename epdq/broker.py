@@ -223,7 +223,8 @@ class Broker:
             self.counters["protocol_errors"] += 1
             return
         handler(self, identity, peer, msg, payload)
-        self._flush()
+        if self.scheduler.has_actions():
+            self._flush()
 
     # client messages
 
@@ -445,9 +446,10 @@ class Broker:
 
     def _flush(self) -> None:
         for a in self.scheduler.take_actions():
-            if isinstance(a, SendEncode):
+            kind = type(a)
+            if kind is SendEncode:
                 self._send_worker(a.worker_id, P.Encode(a.job.job_id, a.job.key), [a.job.image])
-            elif isinstance(a, SendPrefill):
+            elif kind is SendPrefill:
                 self._send_prefill(a.worker_id, a.request, a.refs)
             elif isinstance(a, SendPin):
                 self._send_worker(a.worker_id, P.Pin(a.entries))
@@ -479,7 +481,9 @@ class Broker:
     def _send_raw(self, identity: bytes, frames: list[Any], payload: list[Any] = ()) -> bool:
         """Queue a message (sent, batched per peer, at the end of this loop turn)."""
         assert self.channel is not None
-        big = sum(memoryview(f).nbytes for f in payload) >= _ZERO_COPY_BYTES
+        big = False
+        if payload:
+            big = sum(memoryview(f).nbytes for f in payload) >= _ZERO_COPY_BYTES
         try:
             self.channel.send([identity, *frames, *payload], copy=not big)
         except PeerUnreachable:

@@ -199,6 +199,9 @@ class Scheduler:
         out, self._actions = self._actions, []
         return out
 
+    def has_actions(self) -> bool:
+        return bool(self._actions)
+
     def _emit(self, action: Action) -> None:
         self._actions.append(action)
 
@@ -576,7 +579,8 @@ class Scheduler:
 
     def dispatch(self) -> None:
         q = self._encode_queue
-        while q and self._free[Role.ENCODER]:
+        free = self._free
+        while q and free[Role.ENCODER]:
             job = q[0]
             if (
                 job.worker is not None
@@ -597,8 +601,11 @@ class Scheduler:
             heapq.heappush(self._leases, (self.clock() + self.cfg.encode_lease_s, job.job_id, job.attempts))
             self._take_slot(w, job.job_id)
             self._emit(SendEncode(w.worker_id, job))
-        self._dispatch_ready("epd", Role.PD)
-        self._dispatch_ready("colocated", Role.BOTH)
+        ready = self._ready
+        if ready["epd"] and free[Role.PD]:
+            self._dispatch_ready("epd", Role.PD)
+        if ready["colocated"] and free[Role.BOTH]:
+            self._dispatch_ready("colocated", Role.BOTH)
 
     def _dispatch_ready(self, route: str, role: Role) -> None:
         q = self._ready[route]
