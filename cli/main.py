@@ -74,6 +74,10 @@ def worker(
     fetch_bind: str = typer.Option(
         "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
     ),
+    fetch_advertise: str = typer.Option(
+        "", help="Encoder: HOST or tcp://HOST:PORT told to PD workers (default: the bound address; for a "
+        "wildcard bind, the interface that routes to the broker)."
+    ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
     engine: str = typer.Option("auto", help="auto (vision tower / vLLM), hf (transformers PD engine) or noop."),
     heartbeat: float = typer.Option(1.0, help="Heartbeat interval to the broker, seconds."),
@@ -90,7 +94,7 @@ def worker(
     try:
         cfg = WorkerConfig(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
-            dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, threads=threads, engine=engine,
+            dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, fetch_advertise=fetch_advertise, threads=threads, engine=engine,
             heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure,
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA

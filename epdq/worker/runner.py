@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ class WorkerConfig:
     device: str = "cpu"  # cpu, cuda or cuda:N: where the vision tower / the hf PD engine run
     ring: str = "auto"  # encoder ring: auto (cuda on a CUDA device, else shm), shm or cuda
     fetch_bind: str = ""  # where an encoder serves ring bytes to other nodes ("" = see fetch_endpoint)
+    # what PD workers on other nodes are told to connect to: HOST (the bound port is kept) or
+    # tcp://HOST:PORT (NAT, port mapping); empty = the bound address, or for a wildcard bind the
+    # address of the interface that routes to the broker
+    fetch_advertise: str = ""
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 40_000_000
     max_model_len: int = 4096
@@ -65,6 +70,8 @@ class WorkerConfig:
             raise ValueError("noop delays must be >= 0")
         if not 1 <= self.threads <= 1024:
             raise ValueError("threads must be in [1, 1024]")
+        if self.fetch_advertise:
+            _check_advertise(self.fetch_advertise)
         # device first: the ring and dtype defaults depend on it; a missing GPU fails here, at start-up
         self.device = check_device(self.device)
         self.ring = resolve_ring(self.ring, self.device)
@@ -83,6 +90,56 @@ def resolve_model(model: str) -> str:
     from epdq.models.tiny import default_model_dir
 
     return str(default_model_dir())
+
+
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252})$")
+_WILDCARDS = ("0.0.0.0", "*", "[::]", "::", "[*]")
+
+
+def _check_advertise(value: str) -> None:
+    host, port = value, None
+    if value.startswith("tcp://"):
+        host, sep, port = value[6:].rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"fetch_advertise must be HOST or tcp://HOST:PORT, got {value!r}")
+    if not _HOST.match(host) or host in _WILDCARDS:
+        raise ValueError(f"fetch_advertise needs a routable host name or address, got {value!r}")
+
+
+def advertised_fetch_endpoint(bound: str, advertise: str, broker: str) -> str:
+    """The fetch address PD workers on other nodes are given.
+
+    A socket bound to a wildcard reports `tcp://0.0.0.0:PORT`, which nobody else can connect to;
+    then the address of the interface that routes to the broker is used (found with a UDP
+    connect, which sends nothing)."""
+    if not bound.startswith("tcp://"):
+        return bound  # ipc: same host only, the path is the address
+    host, _, port = bound[6:].rpartition(":")
+    if advertise.startswith("tcp://"):
+        return advertise
+    if advertise:
+        return f"tcp://{advertise}:{port}"
+    if host not in _WILDCARDS:
+        return bound
+    if not broker.startswith("tcp://"):
+        return f"tcp://127.0.0.1:{port}"
+    bhost, _, bport = broker[6:].rpartition(":")
+    bhost = bhost.strip("[]")
+    family = socket.AF_INET6 if ":" in bhost else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((bhost, int(bport) if bport.isdigit() else 9))
+            local = s.getsockname()[0]
+    except OSError as e:
+        raise ValueError(
+            f"cannot tell which address to advertise for fetch socket {bound} ({e}); set fetch_advertise"
+        ) from None
+    return f"tcp://[{local}]:{port}" if ":" in local else f"tcp://{local}:{port}"
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint[6:].rpartition(":")[0].strip("[]") if endpoint.startswith("tcp://") else ""
+    return host.startswith("127.") or host in ("::1", "localhost")
 
 
 def default_fetch_bind(security) -> str:
@@ -156,7 +213,14 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
         max_image_pixels=cfg.max_image_pixels, fetch_bind=fetch_bind, security=security,
     )  # fmt: skip
     try:
-        fetch = worker.open_fetch_socket()
+        fetch = advertised_fetch_endpoint(worker.open_fetch_socket(), cfg.fetch_advertise, cfg.broker)
+        worker.fetch_endpoint = fetch
+        if _is_loopback(fetch) and cfg.broker.startswith("tcp://") and not _is_loopback(cfg.broker):
+            log.warning(
+                "fetch socket %s is loopback but the broker is %s: PD workers on other hosts cannot fetch "
+                "from this encoder (bind a routable address with --fetch-bind, or set --fetch-advertise)",
+                fetch, cfg.broker,
+            )  # fmt: skip
         reg = P.Register(
             cfg.worker_id, "encoder", cfg.node, cfg.capacity, engine.scope, os.path.basename(model), os.getpid(),
             ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch, **ring_extra,

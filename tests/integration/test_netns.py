@@ -3,8 +3,8 @@
 Each process gets its own network stack (its own loopback, one veth on a bridge held by a fourth
 namespace, 10.213.Y.0/24), so every link between them is real TCP through a virtual switch, as
 between machines. They are started with the real CLI (`epdq broker` / `epdq worker` under
-`ip netns exec`) with CURVE keys made by `epdq keygen`. The encoder's fetch socket is bound on its
-veth address; the PD worker has another node id, so it copies the embeddings over TCP from the
+`ip netns exec`) with CURVE keys made by `epdq keygen`. The encoder's fetch socket is bound to
+0.0.0.0 and advertises its veth address (the interface that routes to the broker); the PD worker has another node id, so it copies the embeddings over TCP from the
 encoder (the remote fetch path) instead of from the shared-memory ring (which /dev/shm would
 otherwise let it read: namespaces do not separate it). The test process, in the root namespace,
 is the client, reaching the broker through its own veth on the same switch.
@@ -244,8 +244,10 @@ async def test_broker_encoder_pd_in_separate_network_namespaces(lab, model_dir, 
     lab.spawn(
         "broker", "broker", [*cli, "broker", "--address", broker_addr, "--keys-dir", str(keys)], env=env
     )
+    # a wildcard bind, as in a container: the encoder must advertise the address that routes to the
+    # broker (its veth), not 0.0.0.0
     lab.spawn("encoder", "enc", [*cli, "worker", "--role", "encoder", "--node", "host-enc",
-                                 "--fetch-bind", f"tcp://{enc_ip}:*", *common], env=env)  # fmt: skip
+                                 "--fetch-bind", "tcp://0.0.0.0:*", *common], env=env)  # fmt: skip
     lab.spawn("pd", "pd", [*cli, "worker", "--role", "pd", "--node", "host-pd", *common], env=env)
 
     # while the engines load: the reference on one host, and a plaintext broker off loopback
@@ -277,11 +279,12 @@ async def test_broker_encoder_pd_in_separate_network_namespaces(lab, model_dir, 
         assert after["encodes_done"] - before["encodes_done"] == n_images
         assert after["requests_completed"] - before["requests_completed"] == len(REQUESTS)
 
-        # the remote fetch went over TCP from the PD host's address to the fetch port the encoder
-        # bound on its veth; the broker has every host (this client too) connected over the switch
+        # the remote fetch went over TCP from the PD host's address to the encoder's veth address
+        # (advertised for its wildcard-bound fetch socket); the broker has every host (this client
+        # too) connected over the switch
         enc_conns = tcp_connections(lab, "enc")
         listening = [(la, lp) for la, lp, _, _, st in enc_conns if st == LISTEN and la != "127.0.0.1"]
-        assert len(listening) == 1 and listening[0][0] == enc_ip, enc_conns  # the fetch socket, on the veth
+        assert len(listening) == 1 and listening[0][0] == "0.0.0.0", enc_conns  # the fetch socket
         fetch_port = listening[0][1]
         assert (enc_ip, fetch_port, pd_ip, ESTABLISHED) in {
             (la, lp, ra, st) for la, lp, ra, _, st in enc_conns
