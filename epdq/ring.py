@@ -19,8 +19,8 @@ flag, not a count: the broker keeps the count of requests that need an entry.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
-import math
 import mmap
 import os
 import re
@@ -46,6 +46,8 @@ _HDR = struct.Struct("<8s16sQQ")  # magic, key, generation, nbytes; rest of the 
 _GEN = struct.Struct("<Q")
 _GEN_AT = 24  # offset of the generation inside the header
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+# real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
+_PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
 
 
 def _name_pattern(uid: int) -> re.Pattern[str]:
@@ -118,6 +120,11 @@ class RingWriter:
             pages = torch.frombuffer(self._mm, dtype=torch.uint8).view(-1, mmap.PAGESIZE)
             pages[:, 0] = 0
             del pages
+            # The mapping's address, for one plain memmove per write of a CPU tensor: the torch
+            # path (frombuffer, view, no_grad, copy_) costs ~50 us more once caches are cold,
+            # as they are when an encoder wakes up with a new embedding. Released in close().
+            self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mm)
+            self._base = ctypes.addressof(self._anchor)
         except BaseException:
             os.close(self._fd)
             os.unlink(self._path)
@@ -224,6 +231,7 @@ class RingWriter:
                 self._finalizer()
             else:
                 self._finalizer.detach()
+            self._anchor = None  # its buffer export would keep the map from closing
             _close_map(self._mm)
             os.close(self._fd)
 
@@ -247,24 +255,31 @@ class RingWriter:
             self._evicted.append((e.key, e.generation))
 
     def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
-        for victim in self._space.overlapping(start, start + span):
+        victims = self._space.overlapping(start, start + span)
+        for victim in victims:
             self._evict(victim)
-        _full_fence(self._fence)
+        if victims:
+            # the invalidations must be visible before any byte of the new data
+            _full_fence(self._fence)
         e = _Entry(key, self._next_gen, start, span, nbytes)
         self._next_gen += 1
         self._space.add(e)
         try:
             if nbytes:
-                view = torch.frombuffer(
-                    self._mm, dtype=tensor.dtype, count=tensor.numel(), offset=e.loc().offset
-                )
-                with torch.no_grad():
-                    view.view(tensor.shape).copy_(tensor)
-                del view
+                offset = start + HEADER_BYTES
+                if tensor.dtype in _PLAIN_DTYPES and tensor.is_cpu and tensor.is_contiguous():
+                    ctypes.memmove(self._base + offset, tensor.data_ptr(), nbytes)
+                else:
+                    view = torch.frombuffer(self._mm, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+                    with torch.no_grad():
+                        view.view(tensor.shape).copy_(tensor)
+                    del view
         except BaseException:
             self._space.set_pinned(e, False)
             self._evict(e, report=False)  # never published
             raise
+        # after the data: glibc's large copies end with a store fence (their non-temporal stores
+        # are weakly ordered), and x86 keeps ordinary stores in order
         _HDR.pack_into(self._mm, start, _MAGIC, key, e.generation, nbytes)
         return e.loc()
 
@@ -326,7 +341,11 @@ class RingReader:
 
     def check(self, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
         """StaleEmbeddingError unless the entry still holds (key, generation)."""
-        seg = self._attach(segment)
+        # Right after a view/read of the same entry: the header decides. (A segment unlinked in
+        # between still maps intact bytes; the next view/read notices the unlink and lets go.)
+        seg = self._segments.get(segment) if type(segment) is str else None
+        if seg is None:
+            seg = self._attach(segment)
         if offset < HEADER_BYTES or offset + nbytes > seg.size or not _header_ok(
             seg.mm, offset - HEADER_BYTES, key, generation, nbytes
         ):
@@ -337,7 +356,12 @@ class RingReader:
         shape: tuple[int, ...],
     ) -> tuple[_Attached, int]:  # fmt: skip
         _check_key(key, ProtocolError)
-        if any(not isinstance(d, int) or d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+        n = dtype.itemsize
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
+            n *= d
+        if n != nbytes:
             raise ProtocolError(f"shape {shape} of {dtype} does not hold {nbytes} bytes")
         if not 0 < generation < 2**64:
             raise ProtocolError(f"bad generation {generation}")
@@ -364,12 +388,14 @@ class RingReader:
             os.close(seg.fd)
 
     def _attach(self, segment: str) -> _Attached:
-        if not isinstance(segment, str) or not self._pattern.fullmatch(segment):
+        if type(segment) is not str:
             raise ProtocolError(f"not an epdq ring segment of uid {self._uid}: {segment!r:.80}")
         with self._lock:
-            seg = self._segments.get(segment)
+            seg = self._segments.get(segment)  # only names that passed the pattern are cached
             if seg is not None:
                 self._segments.move_to_end(segment)
+        if seg is None and not self._pattern.fullmatch(segment):
+            raise ProtocolError(f"not an epdq ring segment of uid {self._uid}: {segment!r:.80}")
         if seg is not None:
             if os.fstat(seg.fd).st_nlink:
                 return seg
