@@ -160,6 +160,9 @@ class EncoderWorker:
             self._fail(good[0], _as_epdq_error(e))
             return
         per_image = (time.perf_counter() - t0) / len(good)
+        if log.isEnabledFor(logging.DEBUG):  # the broker logs which requests these jobs serve
+            log.debug("encoded jobs %s in %.3f s", [j.job_id for j in good], per_image * len(good),
+                      extra={"event": "encoded", "job_ids": str([j.job_id for j in good])})  # fmt: skip
         for job, out in zip(good, outs, strict=True):
             if self._blocked or not self._store(job, out, per_image):
                 self._blocked.append((job, out, per_image))  # keeps completion order
@@ -213,6 +216,9 @@ class EncoderWorker:
             self.link.send(P.Evicted([P.EntryId(k, g) for k, g in ev]))
 
     def _fail(self, job: _Job, err: EpdqError) -> None:
+        level = logging.INFO if err.code == "invalid_input" else logging.WARNING  # a bad image is the client's
+        log.log(level, "encode job %d failed: %s: %s", job.job_id, err.code, err.message,
+                extra={"event": "encode_failed", "job_id": job.job_id, "code": err.code})  # fmt: skip
         self.link.send(P.EncodeFailed(job.job_id, job.key, err.code, err.message))
 
     # ------------------------------------------------------------ remote fetch

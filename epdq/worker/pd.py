@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -164,25 +165,48 @@ class PDWorker:
 
     async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
         rid = msg.request_id
+        t0 = time.perf_counter()
+        images = len(msg.embeds) or msg.n_images
         try:
             if not 0 < msg.timeout_s <= 86400:  # also NaN: asyncio would raise a bare ValueError
                 raise InvalidInputError(f"timeout_s must be in (0, 86400], got {msg.timeout_s}")
             async with asyncio.timeout(msg.timeout_s):
-                await self._generate(msg, payload)
+                tokens, finish = await self._generate(msg, payload)
         except asyncio.CancelledError:
             await self._abort_engine(rid)
             self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
+            self._log_end(rid, t0, images, "cancelled", logging.INFO)
         except TimeoutError:
             await self._abort_engine(rid)
             self.link.send(P.PdFailed(rid, "deadline", "deadline passed on the PD worker"))
+            self._log_end(rid, t0, images, "deadline")
         except StaleEmbeddingError as e:
             stale = [P.EntryId(r.key, r.generation) for r in msg.embeds]
             self.link.send(P.PdFailed(rid, e.code, e.message, stale))
+            self._log_end(rid, t0, images, e.code, detail=e.message)
         except EpdqError as e:
             self.link.send(P.PdFailed(rid, e.code, e.message))
+            self._log_end(rid, t0, images, e.code, detail=e.message)
         except Exception as e:
-            log.exception("request %s failed in the engine", rid)
+            log.exception("request %s failed in the engine", rid, extra={"request_id": rid, "event": "pd_error"})
             self.link.send(P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
+        else:
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "request %s done: %d tokens (%s), %d images, %.3f s", rid, tokens, finish, images,
+                    time.perf_counter() - t0,
+                    extra={"request_id": rid, "event": "pd_done", "tokens": tokens, "finish_reason": finish,
+                           "images": images, "seconds": round(time.perf_counter() - t0, 6)},
+                )  # fmt: skip
+
+    @staticmethod
+    def _log_end(rid: str, t0: float, images: int, code: str, level: int = logging.WARNING, detail: str = "") -> None:
+        log.log(
+            level, "request %s ended: %s after %.3f s%s", rid, code, time.perf_counter() - t0,
+            f" ({detail})" if detail else "",
+            extra={"request_id": rid, "event": "pd_failed", "code": code, "images": images,
+                   "seconds": round(time.perf_counter() - t0, 6)},
+        )  # fmt: skip
 
     async def _abort_engine(self, rid: str) -> None:
         try:
@@ -190,7 +214,7 @@ class PDWorker:
         except Exception:
             log.exception("abort of %s failed", rid)
 
-    async def _generate(self, msg: P.Prefill, payload: list[Any]) -> None:
+    async def _generate(self, msg: P.Prefill, payload: list[Any]) -> tuple[int, str]:
         s = msg.sampling
         try:
             sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop), s.ignore_eos)
@@ -212,6 +236,7 @@ class PDWorker:
         elif payload:
             raise InvalidInputError("a PD worker takes embeddings, not images")
         final = None
+        n = 0
         async for d in self.engine.generate(msg.request_id, prompt, sampling, **kwargs):
             if viewed:
                 # the engine has its copy of the embeddings by now: verify it read intact bytes
@@ -221,10 +246,12 @@ class PDWorker:
                 final = d
                 break
             if d.token_ids or d.text:
+                n += len(d.token_ids)
                 self.link.send(P.Tokens(msg.request_id, list(d.token_ids), d.text))
         if final is None:
             raise EngineError("the engine stopped without a finish reason")
         self.link.send(P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason))
+        return n + len(final.token_ids), final.finish_reason
 
     async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor, P.EmbedRef | None]:
         """Embeddings of every image in prompt order in ONE tensor, and their grids [n, 3].
