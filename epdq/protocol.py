@@ -19,7 +19,7 @@ import msgspec
 
 from epdq.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
