@@ -41,19 +41,22 @@ def broker(
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
+    log_requests: bool = typer.Option(True, help="One log line per request end (id, route, tokens, timings)."),
+    log_level: str = typer.Option("info", help="debug adds a line per dispatch; warning keeps only trouble."),
 ) -> None:
     """Run the broker."""
     from epdq.broker import BrokerConfig
     from epdq.launch import serve_broker
     from epdq.logs import setup_logging
 
-    setup_logging("info", log_format)
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter("log level must be debug, info, warning or error")
+    setup_logging(log_level, log_format)
     cfg = BrokerConfig(
         address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
         max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
         liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease, metrics_address=metrics,
-        keys_dir=keys_dir,
-        insecure=insecure,
+        keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
     )  # fmt: skip
     _run(serve_broker(cfg))
 
@@ -196,7 +199,8 @@ def generate(
             r = await c.generate(prompt, **kw)
             if as_json:
                 t = r.timings
-                typer.echo(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                typer.echo(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
+                                       "finish_reason": r.finish_reason,
                                        "timings": {s: getattr(t, s) for s in t.__slots__}}))  # fmt: skip
             else:
                 typer.echo(r.text)

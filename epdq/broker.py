@@ -60,6 +60,9 @@ class BrokerConfig:
     metrics_address: str = ""  # HOST:PORT for Prometheus /metrics and /health; empty = off
     keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
     insecure: bool = False  # plaintext tcp, allowed on loopback only
+    # one log line per request end (done or failed) with its id and timings; dispatch at debug
+    # level. Off for benchmarks of the broker itself, as vLLM's --disable-log-requests.
+    log_requests: bool = True
 
     def __post_init__(self) -> None:
         if "://" not in self.address:
@@ -238,6 +241,8 @@ class Broker:
         except EpdqError as e:
             if isinstance(e, InvalidInputError):
                 self.counters["invalid_requests"] += 1
+            if self.cfg.log_requests:
+                self._log_failed(rid[:128], e, None)
             self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
             return
         self._clients.setdefault(identity, set()).add(rid)
@@ -271,7 +276,9 @@ class Broker:
                 raise InvalidInputError(f"image {i} is not a supported image format")
 
     def _on_cancel(self, identity: bytes, peer: _Peer | None, msg: P.Cancel, payload: list[Any]) -> None:
-        self.scheduler.cancel(msg.request_id, identity)
+        if self.scheduler.cancel(msg.request_id, identity) and self.cfg.log_requests:
+            log.info("request %s cancelled by the client", msg.request_id,
+                     extra={"request_id": msg.request_id, "event": "request_cancelled"})  # fmt: skip
 
     def _on_ping(self, identity: bytes, peer: _Peer | None, msg: P.Ping, payload: list[Any]) -> None:
         self._send(identity, P.Pong(msg.nonce, self.broker_id))
@@ -436,6 +443,8 @@ class Broker:
                 self.hist["tpot"].observe((now - req.first_token_at) / (req.tokens - 1))
             msg.timings = _timings(req)
             self._forget_client_request(req.client, req.rid)
+            if self.cfg.log_requests:
+                self._log_done(req, msg, now)
         self._send(req.client, msg)
 
     def _on_pd_failed(self, identity: bytes, peer: _Peer | None, msg: P.PdFailed, payload: list[Any]) -> None:
@@ -460,9 +469,43 @@ class Broker:
             elif isinstance(a, Fail):
                 self._forget_client_request(a.client, a.rid)
                 e = a.error
+                if self.cfg.log_requests:
+                    self._log_failed(a.rid, e, a.request)
                 self._send(a.client, P.Error(a.rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
 
+    # ------------------------------------------------------------ request log
+
+    def _log_done(self, req: Request, msg: P.Tokens, now: float) -> None:
+        t = msg.timings
+        ttft = req.first_token_at - req.admitted_at if req.first_token_at else -1.0
+        log.info(
+            "request %s done: %s, %d tokens (%s), %d images (%d cached), encode %.3f s, queue %.3f s, "
+            "ttft %.3f s, total %.3f s, on %s", req.rid, req.route, req.tokens, msg.finish_reason, t.images,
+            t.cache_hits, t.encode_s, t.queue_s, ttft, now - req.admitted_at, req.worker,
+            extra={"request_id": req.rid, "event": "request_done", "route": req.route, "tokens": req.tokens,
+                   "finish_reason": msg.finish_reason, "images": t.images, "cache_hits": t.cache_hits,
+                   "encode_s": round(t.encode_s, 6), "queue_s": round(t.queue_s, 6),
+                   "ttft_s": round(ttft, 6), "total_s": round(now - req.admitted_at, 6), "worker": req.worker},
+        )  # fmt: skip
+
+    def _log_failed(self, rid: str, e: EpdqError, req: Request | None) -> None:
+        # the client's own doing (or load shedding, which can come in floods) is not a warning
+        level = {"busy": logging.DEBUG, "invalid_input": logging.INFO, "cancelled": logging.INFO}.get(
+            e.code, logging.WARNING
+        )
+        if not log.isEnabledFor(level):
+            return
+        age = self.scheduler.clock() - req.admitted_at if req is not None else 0.0
+        log.log(
+            level, "request %s failed: %s: %s (after %.3f s)", rid, e.code, e.message, age,
+            extra={"request_id": rid, "event": "request_failed", "code": e.code, "seconds": round(age, 6),
+                   "worker": req.worker if req is not None else None},
+        )  # fmt: skip
+
     def _send_prefill(self, worker_id: str, req: Request, refs: list[P.EmbedRef]) -> None:
+        if self.cfg.log_requests and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s -> %s (%d embeddings)", req.rid, worker_id, len(refs),
+                      extra={"request_id": req.rid, "event": "dispatched", "worker": worker_id})  # fmt: skip
         sub: P.Submit = req.payload
         remaining = max(0.001, req.deadline - self.scheduler.clock())
         images = req.images if req.route == "colocated" else []

@@ -158,6 +158,7 @@ class Fail:
     rid: str
     client: bytes
     error: EpdqError
+    request: Request | None = None  # what it was (for the request log)
 
 
 Action = SendEncode | SendPrefill | SendPin | SendUnpin | SendAbort | Fail
@@ -409,7 +410,7 @@ class Scheduler:
             self.counters["requests_failed"] += 1
             if not isinstance(error, CancelledError):
                 error.request_id = req.rid
-                self._emit(Fail(req.rid, req.client, error))
+                self._emit(Fail(req.rid, req.client, error, req))
 
     def cancel(self, rid: str, client: bytes | None = None) -> bool:
         req = self.requests.get(rid)

@@ -120,11 +120,13 @@ class _EpdqSystem:
         self.client = None
 
     async def start(self) -> None:
+        from epdq.broker import BrokerConfig
         from epdq.cluster import Cluster, ClusterSpec
 
         spec = ClusterSpec(
             address=f"ipc://{self.tmp}/b.sock", encoders=1, pds=1, worker_defaults={"engine": "noop"},
             log_dir=str(self.tmp / "epdq-logs"), start_timeout_s=120,
+            broker=BrokerConfig(log_requests=False),  # as vLLM benchmarks run with --disable-log-requests
         )  # fmt: skip
         self.cluster = Cluster(spec)
         await self.cluster.start()

@@ -191,8 +191,8 @@ class PDWorker:
             log.exception("request %s failed in the engine", rid, extra={"request_id": rid, "event": "pd_error"})
             self.link.send(P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
         else:
-            if log.isEnabledFor(logging.INFO):
-                log.info(
+            if log.isEnabledFor(logging.DEBUG):  # the broker logs each request's end at info level
+                log.debug(
                     "request %s done: %d tokens (%s), %d images, %.3f s", rid, tokens, finish, images,
                     time.perf_counter() - t0,
                     extra={"request_id": rid, "event": "pd_done", "tokens": tokens, "finish_reason": finish,
