@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 
 from epdq.models.tiny import (
-    _SPLIT_PATTERN,
     _VIDEO_MODULE,
     SPECIAL_TOKENS,
     TinySpec,
@@ -43,6 +42,8 @@ from epdq.models.tiny import (
     _replace_dir,
     _resource_text,
     _write_json,
+    tokenizer_config,
+    train_bpe,
 )
 
 QWEN_SPECIAL_BASE = 151643  # id of <|endoftext|> in Qwen2 / Qwen2.5 tokenizers
@@ -260,33 +261,9 @@ def write_checkpoint(
 
 def write_tokenizer(d: pathlib.Path, spec: ShapeSpec) -> None:
     """tokenizer.json + tokenizer_config.json with Qwen's special-token ids (see the module doc)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import AddedToken, Tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_BPE_TOKENS, min_frequency=1, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-    )  # fmt: skip
-    tok.train_from_iterator([_resource_text("tiny_corpus.txt")], trainer)
-    if tok.get_vocab_size() != _BPE_TOKENS:
-        raise RuntimeError(f"BPE learned {tok.get_vocab_size()} tokens, expected {_BPE_TOKENS}")
+    tok = train_bpe(_BPE_TOKENS)
     # Pad the model's vocabulary with fillers up to Qwen's first special id. A filler mixes
     # characters that the pre-tokenizer always splits apart, so no merge can ever produce one.
     data = json.loads(tok.to_str())
@@ -306,20 +283,7 @@ def write_tokenizer(d: pathlib.Path, spec: ShapeSpec) -> None:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, the model {spec.vocab_size}")
     tok.save(str(d / "tokenizer.json"))
     _write_json(
-        d / "tokenizer_config.json",
-        {
-            "tokenizer_class": "Qwen2Tokenizer",
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "unk_token": None,
-            "errors": "replace",
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,
-            "split_special_tokens": False,
-            "model_max_length": spec.max_position_embeddings,
-            "processor_class": "Qwen2_5_VLProcessor",
-        },
+        d / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings, "Qwen2_5_VLProcessor")
     )
 
 

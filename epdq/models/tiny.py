@@ -266,9 +266,10 @@ def _image_processor_config(spec: TinySpec) -> dict:
     }
 
 
-def _write_tokenizer(d: pathlib.Path, spec: TinySpec) -> None:
+def train_bpe(n_tokens: int):
+    """A byte-level BPE tokenizer (Qwen's pre-tokenizer) learned from the embedded corpus, with
+    exactly `n_tokens` ids, every one of which decodes to text; no special tokens yet."""
     from tokenizers import (
-        AddedToken,
         Regex,
         Tokenizer,
         decoders,
@@ -289,38 +290,46 @@ def _write_tokenizer(d: pathlib.Path, spec: TinySpec) -> None:
     )
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    n_learned = spec.vocab_size - len(SPECIAL_TOKENS)
     trainer = trainers.BpeTrainer(
-        vocab_size=n_learned,
+        vocab_size=n_tokens,
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
     tok.train_from_iterator([_resource_text("tiny_corpus.txt")], trainer)
-    if tok.get_vocab_size() != n_learned:
+    if tok.get_vocab_size() != n_tokens:
         # Every id must decode to text, so the corpus has to yield exactly this many tokens.
-        raise RuntimeError(f"BPE learned {tok.get_vocab_size()} tokens, expected {n_learned}")
+        raise RuntimeError(f"BPE learned {tok.get_vocab_size()} tokens, expected {n_tokens}")
+    return tok
+
+
+def _write_tokenizer(d: pathlib.Path, spec: TinySpec) -> None:
+    from tokenizers import AddedToken
+
+    tok = train_bpe(spec.vocab_size - len(SPECIAL_TOKENS))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     for t in SPECIAL_TOKENS:
         assert tok.token_to_id(t) == spec.token_id(t), t
     tok.save(str(d / "tokenizer.json"), pretty=True)
-    _write_json(
-        d / "tokenizer_config.json",
-        {
-            "tokenizer_class": "Qwen2Tokenizer",
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "unk_token": None,
-            "errors": "replace",
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,
-            "split_special_tokens": False,
-            "model_max_length": spec.max_position_embeddings,
-            "processor_class": "Qwen2VLProcessor",
-        },
-    )
+    _write_json(d / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings, "Qwen2VLProcessor"))
+
+
+def tokenizer_config(max_length: int, processor_class: str) -> dict:
+    """tokenizer_config.json of a Qwen2-style chat tokenizer."""
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": max_length,
+        "processor_class": processor_class,
+    }
 
 
 def _write_weights(path: pathlib.Path, spec: TinySpec, seed: int) -> None:
