@@ -193,6 +193,11 @@ class Scheduler:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.queued = 0  # requests waiting or ready
         self.held_image_bytes = 0
+        # kept up to date at every change so that gauges() is O(1) however deep the queues are
+        self._n_state: dict[ReqState, int] = dict.fromkeys(ReqState, 0)
+        self._jobs_assigned = 0  # jobs in self.jobs held by an encoder
+        self._index_bytes = 0
+        self._index_pinned = 0
 
     # ------------------------------------------------------------ plumbing
 
@@ -264,8 +269,9 @@ class Scheduler:
         if w.role is Role.ENCODER:
             for job_id in list(w.inflight):
                 job = self._jobs_by_id.get(job_id)
-                if job is not None:
+                if job is not None and job.worker == worker_id:  # not one re-queued to another encoder
                     job.worker = None
+                    self._jobs_assigned -= 1
                     self._retry_encode(job, WorkerLostError(f"encoder {worker_id} {reason}"))
             for key in list(self._by_encoder.pop(worker_id, ())):
                 if key in self.index and self.index[key].ref.encoder_id == worker_id:
@@ -282,9 +288,7 @@ class Scheduler:
                 else:
                     req.attempts += 1
                     self.counters["pd_requeues"] += 1
-                    req.worker = None
-                    self.queued += 1
-                    self._make_ready(req, front=True)
+                    self._requeue(req)
         self.dispatch()
 
     # ------------------------------------------------------------ requests
@@ -319,6 +323,7 @@ class Scheduler:
             rid, client, route, list(keys), list(images), now + timeout_s, payload, now, image_bytes=nbytes
         )
         self.requests[rid] = req
+        self._n_state[ReqState.WAITING] += 1
         self.held_image_bytes += nbytes
         self.queued += 1
         self.counters["requests_submitted"] += 1
@@ -349,6 +354,7 @@ class Scheduler:
             self.counters["cache_hits"] += 1
             if not entry.pinned:
                 entry.pinned = True
+                self._index_pinned += 1
                 self._emit(SendPin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
             return
         req.pending.add(key)
@@ -366,8 +372,30 @@ class Scheduler:
         self._encode_queue.append(job)
         self.counters["encodes_queued"] += 1
 
+    def _requeue(self, req: Request) -> None:
+        """A request back from its PD worker: queued again, first waiting for any embedding that
+        is no longer resident (dropped with a dead encoder or evicted while it ran)."""
+        req.worker = None
+        self.queued += 1
+        if req.route == "epd":
+            for key in dict.fromkeys(req.keys):
+                if key not in self.index and key not in req.pending:
+                    req.pending.add(key)
+                    if key not in self.jobs:
+                        self._new_job(key, req.images[req.keys.index(key)])
+        if req.pending:
+            self._set_state(req, ReqState.WAITING)
+        else:
+            self._make_ready(req, front=True)
+
+    def _set_state(self, req: Request, state: ReqState) -> None:
+        n = self._n_state
+        n[req.state] -= 1
+        n[state] += 1
+        req.state = state
+
     def _make_ready(self, req: Request, front: bool = False) -> None:
-        req.state = ReqState.READY
+        self._set_state(req, ReqState.READY)
         req.ready_at = req.ready_at or self.clock()
         q = self._ready[req.route]
         q.appendleft(req.rid) if front else q.append(req.rid)
@@ -384,6 +412,7 @@ class Scheduler:
             entry = self.index.get(key)
             if entry is not None and entry.pinned:
                 entry.pinned = False
+                self._index_pinned -= 1
                 self._emit(SendUnpin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
 
     def _finish(self, req: Request, error: EpdqError | None = None) -> None:
@@ -395,7 +424,7 @@ class Scheduler:
         elif req.state is ReqState.RUNNING and error is not None and req.worker is not None:
             # the PD worker's slot stays taken until it acknowledges the abort
             self._emit(SendAbort(req.worker, req.rid))
-        req.state = ReqState.DONE
+        self._set_state(req, ReqState.DONE)
         del self.requests[req.rid]
         if len(self._deadlines) > 2 * len(self.requests) + 1024:
             # finished requests leave their deadline behind; keep the heap proportional to live ones
@@ -438,6 +467,7 @@ class Scheduler:
                 self.counters["leases_expired"] += 1
                 worker = job.worker
                 job.worker = None
+                self._jobs_assigned -= 1
                 self._retry_encode(job, WorkerLostError(f"encoder {worker} held the job past its lease"))
         self.dispatch()
         nxt = [h[0][0] for h in (self._deadlines, self._leases) if h]
@@ -456,6 +486,7 @@ class Scheduler:
             return
         del self._jobs_by_id[job_id]
         del self.jobs[job.key]
+        self._jobs_assigned -= 1
         self.counters["encodes_done"] += 1
         if len(self._leases) > 2 * len(self._jobs_by_id) + 1024:
             jobs = self._jobs_by_id
@@ -470,6 +501,8 @@ class Scheduler:
             self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
         if key not in self.index:
             self.index[key] = IndexEntry(ref, pinned=bool(users))
+            self._index_bytes += ref.nbytes
+            self._index_pinned += bool(users)
             self._by_encoder.setdefault(ref.encoder_id, set()).add(key)
         for rid in users:
             req = self.requests[rid]
@@ -485,6 +518,7 @@ class Scheduler:
             self.dispatch()
             return
         job.worker = None
+        self._jobs_assigned -= 1
         self.counters["encode_failures"] += 1
         err = error_from_code(code, message)
         if err.retryable:
@@ -523,6 +557,8 @@ class Scheduler:
     def _drop_entry(self, key: bytes) -> None:
         """Forget a resident entry; live requests that still need it go back to waiting."""
         entry = self.index.pop(key)
+        self._index_bytes -= entry.ref.nbytes
+        self._index_pinned -= entry.pinned
         owned = self._by_encoder.get(entry.ref.encoder_id)
         if owned is not None:
             owned.discard(key)
@@ -530,7 +566,7 @@ class Scheduler:
             req = self.requests[rid]
             if req.state is ReqState.RUNNING:
                 continue  # its PD worker reports a stale read, or has already copied the bytes
-            req.state = ReqState.WAITING  # its stale slot in the ready queue is skipped
+            self._set_state(req, ReqState.WAITING)  # its stale slot in the ready queue is skipped
             req.pending.add(key)
             if key not in self.jobs:
                 self._new_job(key, req.images[req.keys.index(key)])
@@ -563,15 +599,11 @@ class Scheduler:
         if stale and not req.streamed and req.attempts + 1 < self.cfg.max_pd_attempts:
             self.counters["stale_reads"] += 1
             req.attempts += 1
-            req.worker = None
-            req.state = ReqState.WAITING
-            self.queued += 1
             for e in stale:
                 entry = self.index.get(e.key)
                 if entry is not None and entry.ref.generation == e.generation:
-                    self._drop_entry(e.key)  # puts the key back in every user's pending set
-            if not req.pending:
-                self._make_ready(req, front=True)
+                    self._drop_entry(e.key)  # other users wait for it again; this one: below
+            self._requeue(req)
         else:
             self._finish(req, error_from_code(code, message))
         self.dispatch()
@@ -598,6 +630,7 @@ class Scheduler:
                 break
             q.popleft()
             job.worker = w.worker_id
+            self._jobs_assigned += 1
             job.attempts += 1
             heapq.heappush(self._leases, (self.clock() + self.cfg.encode_lease_s, job.job_id, job.attempts))
             self._take_slot(w, job.job_id)
@@ -621,7 +654,7 @@ class Scheduler:
             if w is None:
                 break
             q.popleft()
-            req.state = ReqState.RUNNING
+            self._set_state(req, ReqState.RUNNING)
             req.worker = w.worker_id
             req.dispatched_at = self.clock()
             self.queued -= 1
@@ -634,6 +667,22 @@ class Scheduler:
     # ------------------------------------------------------------ introspection
 
     def gauges(self) -> dict[str, float]:
+        """O(1): from counts kept at every change (`gauges_by_scan` recomputes them, for tests)."""
+        n = self._n_state
+        return {
+            "requests_waiting": n[ReqState.WAITING],
+            "requests_ready": n[ReqState.READY],
+            "requests_running": n[ReqState.RUNNING],
+            "requests_queued": self.queued,
+            "held_image_bytes": self.held_image_bytes,
+            "encode_queue": len(self.jobs) - self._jobs_assigned,
+            "encodes_inflight": self._jobs_assigned,
+            "index_entries": len(self.index),
+            "index_bytes": self._index_bytes,
+            "index_pinned": self._index_pinned,
+        }
+
+    def gauges_by_scan(self) -> dict[str, float]:
         states = {s: 0 for s in ReqState}
         for r in self.requests.values():
             states[r.state] += 1

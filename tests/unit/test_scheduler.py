@@ -340,3 +340,103 @@ def test_deadline_and_lease_heaps_stay_proportional_to_live_work(clock):
             s.on_tokens(p.worker_id, p.request.rid, finished=True)
     assert not s.requests
     assert len(s._deadlines) <= 1024 + 2 and len(s._leases) <= 1024 + 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gauges_kept_incrementally_match_a_full_scan(clock, seed):
+    """gauges() is O(1) from counts kept at every change; random traffic with every kind of
+    event (encodes, failures, evictions, stale reads, lease and deadline expiry, dead workers,
+    cancels) must never let them drift from a recount."""
+    import random
+
+    rng = random.Random(seed)
+    s = make(clock, enc=2, pd=2, enc_cap=2, pd_cap=2, max_queued_requests=40, encode_lease_s=3.0)
+    encodes: dict[int, SendEncode] = {}
+    running: dict[str, str] = {}  # rid -> pd worker
+    gens = iter(range(1, 10**9))
+    next_rid = iter(range(10**9))
+    n_workers = iter(range(2, 10**9))
+
+    def absorb(actions):
+        for a in actions:
+            if isinstance(a, SendEncode):
+                encodes[a.job.job_id] = a
+            elif isinstance(a, SendPrefill):
+                running[a.request.rid] = a.worker_id
+
+    for _ in range(1500):
+        op = rng.random()
+        try:
+            if op < 0.25:
+                keys = [K(rng.randrange(1, 12)) for _ in range(rng.randrange(0, 4))]
+                s.submit(f"r{next(next_rid)}", b"c", keys, [b"img" + k for k in keys], rng.uniform(1, 8), None)
+            elif op < 0.45 and encodes:
+                a = encodes.pop(rng.choice(list(encodes)))
+                if rng.random() < 0.85:
+                    s.on_encoded(a.worker_id, a.job.job_id, ref_for(a.job.key, a.worker_id, "n1", next(gens)))
+                else:
+                    s.on_encode_failed(a.worker_id, a.job.job_id, rng.choice(["internal", "invalid_input"]), "x")
+            elif op < 0.65 and running:
+                rid = rng.choice(list(running))
+                w = running.pop(rid)
+                if rng.random() < 0.8:
+                    s.on_tokens(w, rid, finished=True)
+                else:
+                    req = s.requests.get(rid)
+                    stale = [EntryId(k, s.index[k].ref.generation) for k in (req.keys if req else []) if k in s.index]
+                    s.on_pd_failed(w, rid, "stale", "overwritten", stale)
+            elif op < 0.72 and s.index:
+                k = rng.choice(list(s.index))
+                e = s.index[k]
+                s.on_evicted(e.ref.encoder_id, [EntryId(k, e.ref.generation)])
+            elif op < 0.78 and s.requests:
+                s.cancel(rng.choice(list(s.requests)))
+            elif op < 0.82:
+                w = rng.choice(list(s.workers)) if s.workers else None
+                if w is not None:
+                    role = s.workers[w].role
+                    s.remove_worker(w)
+                    running = {r: x for r, x in running.items() if x != w}
+                    encodes = {j: a for j, a in encodes.items() if a.worker_id != w}
+                    s.add_worker(f"{role.value}-{next(n_workers)}", role, "n1", 2)
+            else:
+                clock.t += rng.uniform(0, 1.5)
+                s.expire()
+        except (BusyError, InvalidInputError):
+            pass
+        absorb(s.take_actions())
+        assert s.gauges() == s.gauges_by_scan()
+    assert s.counters["requests_completed"] > 50 and s.counters["encodes_done"] > 50
+
+
+def test_requeued_request_reencodes_embeddings_dropped_while_it_ran(clock):
+    # Found by the randomized gauges test: the encoder holding r1's embedding dies while r1 runs
+    # (its entries leave the index, but a running request is not sent back to waiting); then
+    # the PD worker fails the read. The request must wait for a new encode, not be dispatched
+    # with a missing embedding (which raised KeyError inside dispatch, wedging the ready queue).
+    s = make(clock, enc=1, pd=1)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    acts = finish_encode(s, enc, gen=3)
+    assert of(acts, SendPrefill) and s.requests["r1"].state is ReqState.RUNNING
+    s.remove_worker("enc-0")
+    s.add_worker("enc-1", Role.ENCODER, "n1", 4)
+    s.take_actions()
+    s.on_pd_failed("pd-0", "r1", "stale", "segment gone", [EntryId(K(1), 3)])
+    acts = s.take_actions()
+    (enc2,) = of(acts, SendEncode)
+    assert enc2.worker_id == "enc-1" and s.requests["r1"].state is ReqState.WAITING
+    acts = finish_encode(s, enc2, gen=4, node="n1")
+    assert of(acts, SendPrefill)[0].refs[0].generation == 4
+    assert s.gauges() == s.gauges_by_scan()
+
+
+def test_requeue_after_dead_pd_waits_for_a_dropped_embedding(clock):
+    s = make(clock, enc=1, pd=2, pd_cap=1)
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    prefill = of(finish_encode(s, enc, gen=3), SendPrefill)[0]
+    s.remove_worker("enc-0")  # r1's embedding leaves the index while r1 runs
+    s.remove_worker(prefill.worker_id)  # then its PD worker dies before streaming
+    s.add_worker("enc-1", Role.ENCODER, "n1", 4)
+    acts = s.take_actions()
+    assert not of(acts, SendPrefill) and len(of(acts, SendEncode)) == 1
+    assert s.requests["r1"].state is ReqState.WAITING and s.counters["pd_requeues"] == 1
