@@ -611,6 +611,16 @@ class Scheduler:
     # ------------------------------------------------------------ dispatch
 
     def dispatch(self) -> None:
+        free = self._free
+        self._dispatch_encodes()
+        ready = self._ready
+        if ready["epd"] and free[Role.PD]:
+            if self._dispatch_ready("epd", Role.PD):
+                self._dispatch_encodes()
+        if ready["colocated"] and free[Role.BOTH]:
+            self._dispatch_ready("colocated", Role.BOTH)
+
+    def _dispatch_encodes(self) -> None:
         q = self._encode_queue
         free = self._free
         while q and free[Role.ENCODER]:
@@ -635,20 +645,24 @@ class Scheduler:
             heapq.heappush(self._leases, (self.clock() + self.cfg.encode_lease_s, job.job_id, job.attempts))
             self._take_slot(w, job.job_id)
             self._emit(SendEncode(w.worker_id, job))
-        ready = self._ready
-        if ready["epd"] and free[Role.PD]:
-            self._dispatch_ready("epd", Role.PD)
-        if ready["colocated"] and free[Role.BOTH]:
-            self._dispatch_ready("colocated", Role.BOTH)
 
-    def _dispatch_ready(self, route: str, role: Role) -> None:
+    def _dispatch_ready(self, route: str, role: Role) -> bool:
+        """Ready requests to free workers; True when one went back to waiting for an encode."""
         q = self._ready[route]
+        requeued = False
         while q and self._free[role]:
             req = self.requests.get(q[0])
             if req is None or req.state is not ReqState.READY:
                 q.popleft()
                 continue
-            refs = [self.index[k].ref for k in req.keys] if route == "epd" else []
+            try:
+                refs = [self.index[k].ref for k in req.keys] if route == "epd" else []
+            except KeyError:  # an embedding left the index unnoticed: wait for it, don't wedge the queue
+                q.popleft()
+                self.queued -= 1  # _requeue counts it again
+                self._requeue(req)
+                requeued = True
+                continue
             node = _majority_node(refs)
             w = self._pop_free(role, node)
             if w is None:
@@ -663,6 +677,7 @@ class Scheduler:
                 remote = any(r.node != w.node for r in refs)
                 self.counters["remote_handoffs" if remote else "local_handoffs"] += 1
             self._emit(SendPrefill(w.worker_id, req, refs))
+        return requeued
 
     # ------------------------------------------------------------ introspection
 

@@ -440,3 +440,18 @@ def test_requeue_after_dead_pd_waits_for_a_dropped_embedding(clock):
     acts = s.take_actions()
     assert not of(acts, SendPrefill) and len(of(acts, SendEncode)) == 1
     assert s.requests["r1"].state is ReqState.WAITING and s.counters["pd_requeues"] == 1
+
+
+def test_a_ready_request_missing_an_embedding_waits_instead_of_wedging_dispatch(clock):
+    s = make(clock, enc=1, pd=1, pd_cap=1)
+    submit(s, "r0", [])  # occupies the only PD slot
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    finish_encode(s, enc, gen=3)
+    assert s.requests["r1"].state is ReqState.READY
+    del s.index[K(1)]  # an inconsistency no event path should cause any more
+    s._index_bytes -= 1024
+    s._index_pinned -= 1
+    s.on_tokens("pd-0", "r0", finished=True)  # frees the slot: dispatch must not raise
+    acts = s.take_actions()
+    assert len(of(acts, SendEncode)) == 1 and s.requests["r1"].state is ReqState.WAITING
+    assert s.gauges() == s.gauges_by_scan()
