@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import os
 import time
 
@@ -49,13 +50,21 @@ async def test_backpressure_gate_answers_busy(tmp_path):
 
 
 async def test_too_many_images_is_a_typed_error(tmp_path):
-    async with Cluster(noop_spec(tmp_path)) as cluster, AsyncClient(cluster.address) as c:
-        with pytest.raises(InvalidInputError, match="limit 8"):
+    async with Cluster(noop_spec(tmp_path, log_format="json")) as cluster, AsyncClient(cluster.address) as c:
+        with pytest.raises(InvalidInputError, match="limit 8") as refused:
             await c.generate("x", images=[demo_image(1, (64, 64))] * 9)
         with pytest.raises(InvalidInputError, match="empty"):
             await c.generate("x", images=[b""])
         ok = await c.generate("x", images=[demo_image(1, (64, 64))] * 8, max_tokens=2)
         assert len(ok.token_ids) == 2
+    # the broker's JSON log: one line per request end, with its id, outcome and numbers
+    events = [json.loads(line) for line in (tmp_path / "logs" / "broker.log").read_text().splitlines()
+              if line.startswith("{")]  # fmt: skip
+    failed = {e["request_id"]: e for e in events if e.get("event") == "request_failed"}
+    assert failed[refused.value.request_id]["code"] == "invalid_input" and failed[refused.value.request_id]["level"] == "info"
+    (done,) = [e for e in events if e.get("event") == "request_done"]
+    assert done["request_id"] == ok.request_id and done["images"] == 8 and done["tokens"] == 2
+    assert done["route"] == "epd" and done["worker"] == "pd-0" and done["total_s"] >= done["ttft_s"] > 0
 
 
 async def test_broker_restart(tmp_path):
