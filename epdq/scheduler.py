@@ -166,7 +166,7 @@ Action = SendEncode | SendPrefill | SendPin | SendUnpin | SendAbort | Fail
 COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
-    "cache_hits", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
+    "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
     "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired",
 )  # fmt: skip
 
@@ -362,6 +362,7 @@ class Scheduler:
             req.cache_hits += 1
             self.counters["dedup_joins"] += 1
             return
+        self.counters["cache_misses"] += 1
         self._new_job(key, req.images[req.keys.index(key)])
 
     def _new_job(self, key: bytes, image: Any) -> None:

@@ -14,7 +14,9 @@ from epdq.client import AsyncClient
 def summary(stats: dict[str, Any]) -> dict[str, Any]:
     """The stats a person watches, with derived rates (JSON-friendly)."""
     k, g = stats["counters"], stats["gauges"]
-    lookups = k.get("encodes_queued", 0) + k.get("cache_hits", 0) + k.get("dedup_joins", 0)
+    # misses: images that needed a new encode when a request arrived (re-encodes after an
+    # eviction or a stale read are not lookups)
+    lookups = k.get("cache_misses", 0) + k.get("cache_hits", 0) + k.get("dedup_joins", 0)
     workers = stats["workers"]
     return {
         "workers": workers,
@@ -35,6 +37,7 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
             "hit_rate": (k.get("cache_hits", 0) + k.get("dedup_joins", 0)) / lookups if lookups else 0.0,
             "hits": k.get("cache_hits", 0),
             "dedup_joins": k.get("dedup_joins", 0),
+            "misses": k.get("cache_misses", 0),
             "encodes": k.get("encodes_done", 0),
             "evictions": k.get("evictions", 0),
         },

@@ -243,6 +243,7 @@ async def test_prometheus_metrics_reflect_traffic(tmp_path, unused_tcp_port):
         lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
         assert float(lines["epdq_requests_completed_total"]) == 3
         assert float(lines["epdq_cache_hits_total"]) == 2 and float(lines["epdq_encodes_done_total"]) == 1
+        assert float(lines["epdq_cache_misses_total"]) == 1
         assert float(lines["epdq_ttft_seconds_count"]) == 3 and float(lines["epdq_tpot_seconds_count"]) == 3
         assert float(lines["epdq_encode_seconds_count"]) == 1
         assert float(lines['epdq_workers{role="encoder",state="idle"}']) == 1
