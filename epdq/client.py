@@ -54,6 +54,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    request_id: str = ""  # the broker's id of the request (as in its logs)
 
 
 @dataclass(slots=True)
@@ -352,7 +353,7 @@ class AsyncClient:
                     last = now
                 if msg.finish_reason is not None:
                     done = True
-                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason)
+                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason, rid)
                 if done:
                     bt = msg.timings or P.Timings()
                     tim = Timings(

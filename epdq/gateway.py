@@ -494,6 +494,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         async def pump() -> None:
             try:
                 async for d in client.stream(messages=messages, **kw):  # leaving it cancels upstream
+                    rec.upstream_id = d.request_id
                     rec.token(len(d.token_ids))
                     q.put_nowait(d)
                 q.put_nowait(_END)
