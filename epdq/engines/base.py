@@ -8,6 +8,7 @@ precomputed embeddings or, for the colocated baseline, images).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -18,6 +19,10 @@ if TYPE_CHECKING:
 
 # Generous for a serving system, small enough that a typo cannot reserve a huge KV budget.
 MAX_TOKENS_CAP = 32768
+# Building a transformers model is not safe in two threads of one process at once: its meta-device
+# initialisation can leave the other model's weights on "meta" (seen as a tied lm_head never
+# materialised). Engines in one process (tests, benchmarks) load one at a time.
+MODEL_LOAD_LOCK = threading.Lock()
 FINISH_REASONS = ("stop", "length")
 _IMAGE_PART_TYPES = ("image", "image_url")
 _TEXT_PART_TYPES = ("text",)

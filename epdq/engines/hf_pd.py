@@ -93,16 +93,26 @@ class HFPDEngine:
         import torch
         from transformers import AutoModelForImageTextToText
 
+        from epdq.engines.base import MODEL_LOAD_LOCK
+
         dtype = getattr(torch, self.dtype_name)
         model = None
-        if self.device != "cpu":
-            # straight onto the GPU: no full copy of the weights in host memory first
-            with contextlib.suppress(ImportError, ValueError, TypeError):
+        with MODEL_LOAD_LOCK:
+            if self.device != "cpu":
+                # straight onto the GPU: no full copy of the weights in host memory first
+                with contextlib.suppress(ImportError, ValueError, TypeError):
+                    model = AutoModelForImageTextToText.from_pretrained(
+                        self.model_dir, dtype=dtype, trust_remote_code=True, device_map={"": self.device}
+                    )
+            if model is None:
                 model = AutoModelForImageTextToText.from_pretrained(
-                    self.model_dir, dtype=dtype, trust_remote_code=True, device_map={"": self.device}
+                    self.model_dir, dtype=dtype, trust_remote_code=True
                 )
-        if model is None:
-            model = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=dtype, trust_remote_code=True)
+            if any(p.is_meta for p in model.parameters()):
+                model.tie_weights()  # a tied lm_head (not in the checkpoint) left unmaterialised
+            unloaded = [n for n, p in model.named_parameters() if p.is_meta]
+            if unloaded:
+                raise EngineError(f"{len(unloaded)} weights were not loaded from {self.model_dir}: {unloaded[:4]}")
         model.to(self.device).eval()
         if self.mode == "both":
             from transformers import AutoImageProcessor

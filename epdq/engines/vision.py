@@ -72,7 +72,10 @@ class HFVisionEncoder:
         self.merge_size = int(self._vision_config.spatial_merge_size)
         self.processor = AutoImageProcessor.from_pretrained(self.model_dir, trust_remote_code=True)
         weights = _read_vision_weights(self.model_dir)
-        self.model = _build_tower(config, weights)
+        from epdq.engines.base import MODEL_LOAD_LOCK
+
+        with MODEL_LOAD_LOCK:
+            self.model = _build_tower(config, weights)
         # Cast parameters only: casting the module would also cast the rotary inv_freq buffers,
         # and bf16 embeddings would then drift from the full model's (notes/vllm-cpu.md).
         for p in self.model.parameters():

@@ -119,8 +119,9 @@ def test_reduced_checkpoint_runs_epd_equal_to_pixels(reduced):
     async def run():
         enc = HFVisionEncoder(path)
         pd, both = HFPDEngine(path, mode="pd"), HFPDEngine(path, mode="both")
-        await pd.start()  # one at a time: in one process, concurrent loads can race on tied weights
-        await both.start()
+        # concurrently, on purpose: transformers' meta-device init is not thread-safe, and without
+        # MODEL_LOAD_LOCK these loads fail every time (a tied lm_head left on "meta")
+        await asyncio.gather(pd.start(), both.start())
         try:
             prompt = pd.render_prompt(messages)
             out = enc.encode(images)
