@@ -27,6 +27,9 @@ async def serve_broker(cfg) -> None:
 
     broker = Broker(cfg)
     broker.bind()
+    from epdq.worker.runner import freeze_heap
+
+    freeze_heap()  # the broker process's start-up heap, out of the cyclic GC's full collections
     stop = asyncio.Event()
     _install_stop(stop)
     task = asyncio.create_task(broker.serve())
@@ -40,7 +43,7 @@ async def serve_worker(cfg) -> None:
 
     stop = asyncio.Event()
     _install_stop(stop)
-    await run_worker(cfg, stop=stop)
+    await run_worker(cfg, stop=stop, freeze_gc=True)
 
 
 def run(coro) -> None:
