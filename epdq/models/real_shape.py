@@ -35,15 +35,14 @@ import time
 from dataclasses import dataclass
 
 from epdq.models.tiny import (
-    _VIDEO_MODULE,
     SPECIAL_TOKENS,
     TinySpec,
     _image_processor_config,
     _replace_dir,
-    _resource_text,
     _write_json,
     tokenizer_config,
     train_bpe,
+    write_processor_files,
 )
 
 QWEN_SPECIAL_BASE = 151643  # id of <|endoftext|> in Qwen2 / Qwen2.5 tokenizers
@@ -233,19 +232,7 @@ def write_checkpoint(
         proc = _image_processor_config(spec)
         proc["processor_class"] = "Qwen2_5_VLProcessor"
         _write_json(staging / "preprocessor_config.json", proc)
-        _write_json(
-            staging / "video_preprocessor_config.json",
-            {
-                "auto_map": {"AutoVideoProcessor": f"{_VIDEO_MODULE}.TinyVideoProcessor"},
-                "video_processor_type": "TinyVideoProcessor",
-                "processor_class": "Qwen2_5_VLProcessor",
-                "patch_size": spec.patch_size,
-                "temporal_patch_size": spec.temporal_patch_size,
-                "merge_size": spec.merge_size,
-            },
-        )
-        (staging / f"{_VIDEO_MODULE}.py").write_text(_resource_text("tiny_video_processor.py.tmpl"))
-        (staging / "chat_template.jinja").write_text(_resource_text("qwen2_vl_chat_template.jinja"))
+        write_processor_files(staging, spec, "Qwen2_5_VLProcessor")
         write_tokenizer(staging, spec)
         _write_weights(staging, spec, seed=seed, dtype=dtype, device=device, shard_bytes=shard_bytes, log=log)
         (staging / ".complete").write_text(f"preset={spec.name} seed={seed} dtype={dtype}\n")

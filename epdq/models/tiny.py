@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any  # a TinySpec or real_shape's ShapeSpec
 
 TINY_MODEL_NAME = "tiny-qwen2-vl-v1"
 
@@ -166,6 +167,23 @@ def _resource_text(name: str) -> str:
     return resources.files("epdq.models").joinpath(name).read_text(encoding="utf-8")
 
 
+def write_processor_files(d: pathlib.Path, spec: TinySpec | Any, processor_class: str) -> None:
+    """The video processor (embedded remote code, see the template) and the chat template."""
+    _write_json(
+        d / "video_preprocessor_config.json",
+        {
+            "auto_map": {"AutoVideoProcessor": f"{_VIDEO_MODULE}.TinyVideoProcessor"},
+            "video_processor_type": "TinyVideoProcessor",
+            "processor_class": processor_class,
+            "patch_size": spec.patch_size,
+            "temporal_patch_size": spec.temporal_patch_size,
+            "merge_size": spec.merge_size,
+        },
+    )
+    (d / f"{_VIDEO_MODULE}.py").write_text(_resource_text("tiny_video_processor.py.tmpl"))
+    (d / "chat_template.jinja").write_text(_resource_text("qwen2_vl_chat_template.jinja"))
+
+
 def _write_files(d: pathlib.Path, spec: TinySpec, seed: int) -> None:
     _write_json(d / "config.json", _model_config(spec))
     _write_json(
@@ -177,19 +195,7 @@ def _write_files(d: pathlib.Path, spec: TinySpec, seed: int) -> None:
         },
     )
     _write_json(d / "preprocessor_config.json", _image_processor_config(spec))
-    _write_json(
-        d / "video_preprocessor_config.json",
-        {
-            "auto_map": {"AutoVideoProcessor": f"{_VIDEO_MODULE}.TinyVideoProcessor"},
-            "video_processor_type": "TinyVideoProcessor",
-            "processor_class": "Qwen2VLProcessor",
-            "patch_size": spec.patch_size,
-            "temporal_patch_size": spec.temporal_patch_size,
-            "merge_size": spec.merge_size,
-        },
-    )
-    (d / f"{_VIDEO_MODULE}.py").write_text(_resource_text("tiny_video_processor.py.tmpl"))
-    (d / "chat_template.jinja").write_text(_resource_text("qwen2_vl_chat_template.jinja"))
+    write_processor_files(d, spec, "Qwen2VLProcessor")
     _write_tokenizer(d, spec)
     _write_weights(d / "model.safetensors", spec, seed)
     for f in d.iterdir():
