@@ -411,6 +411,12 @@ def _write_frame(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _read_setup(fd: int) -> dict | None:
+    """The writer's first frame (length-prefixed JSON); None if it closed the pipe first."""
+    head = _read_exact(fd, 4)
+    return json.loads(_read_exact(fd, struct.unpack("<I", head)[0])) if head else None
+
+
 def _read_exact(fd: int, n: int) -> bytes:
     """n bytes from a blocking fd; b"" at EOF."""
     buf = b""
@@ -615,10 +621,9 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     from epdq.worker.pd import RemoteFetcher
 
     now = time.perf_counter_ns
-    head = _read_exact(note_fd, 4)
-    if not head:
+    setup = _read_setup(note_fd)
+    if setup is None:
         return
-    setup = json.loads(_read_exact(note_fd, struct.unpack("<I", head)[0]))
     segment, endpoints = setup["segment"], setup["endpoints"]
     dtype = getattr(torch, cfg["dtype"])
     pool = _Pool(cfg, 0.125)
@@ -904,10 +909,9 @@ def _cuda_reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     from epdq.ring_cuda import CudaRingReader
 
     now = time.perf_counter_ns
-    head = _read_exact(note_fd, 4)
-    if not head:
+    setup = _read_setup(note_fd)
+    if setup is None:
         return
-    setup = json.loads(_read_exact(note_fd, struct.unpack("<I", head)[0]))
     dev = torch.device(cfg["device"])
     sync = _device_sync(torch, dev)
     dtype = getattr(torch, cfg["dtype"])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import re
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from epdq import protocol as P
@@ -143,14 +143,6 @@ def _is_loopback(endpoint: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
 
-def freeze_heap() -> None:
-    """Move everything alive now (torch, transformers, the model: ~170k objects) out of the cyclic
-    GC's reach. A full collection over them takes ~70 ms on this machine, and would land on
-    whichever requests are in flight; what is loaded at start-up lives until exit anyway."""
-    gc.collect()
-    gc.freeze()
-
-
 def default_fetch_bind(security) -> str:
     """tcp on loopback when CURVE keys are at hand; otherwise a private ipc socket (same host)."""
     if security.mode == "curve":
@@ -162,22 +154,24 @@ def default_fetch_bind(security) -> str:
 
 
 async def run_worker(
-    cfg: WorkerConfig, *, stop: asyncio.Event | None = None, freeze_gc: bool = False
+    cfg: WorkerConfig, *, stop: asyncio.Event | None = None, on_loaded: Callable[[], None] = lambda: None
 ) -> None:
-    """Serve until `stop` is set or the task is cancelled. `freeze_gc` (worker processes): once
-    loaded, exempt the start-up heap from cyclic GC (see `freeze_heap`)."""
+    """Serve until `stop` is set or the task is cancelled; `on_loaded` runs once the engine is
+    loaded, before the worker registers (the process entry point freezes the heap there)."""
     from epdq.keys import security_for
 
     security = security_for("worker", keys_dir=cfg.keys_dir, insecure=cfg.insecure)
     model = resolve_model(cfg.model) if cfg.engine != "noop" else "noop"
     stop = stop or asyncio.Event()
     if cfg.role == "encoder":
-        await _run_encoder(cfg, model, stop, security, freeze_gc)
+        await _run_encoder(cfg, model, stop, security, on_loaded)
     else:
-        await _run_pd(cfg, model, stop, security, freeze_gc)
+        await _run_pd(cfg, model, stop, security, on_loaded)
 
 
-async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, security, freeze_gc: bool) -> None:
+async def _run_encoder(
+    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None]
+) -> None:
     import torch
 
     from epdq.ring import RingWriter, cleanup_stale_segments
@@ -244,8 +238,7 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
             heartbeat=worker.heartbeat, security=security,
         )  # fmt: skip
         worker.link = link
-        if freeze_gc:
-            freeze_heap()
+        on_loaded()
         worker.start()
         link.start()
         log.info(
@@ -265,7 +258,9 @@ async def _run_encoder(cfg: WorkerConfig, model: str, stop: asyncio.Event, secur
         ring.close(unlink=True)
 
 
-async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security, freeze_gc: bool) -> None:
+async def _run_pd(
+    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None]
+) -> None:
     from epdq.worker.pd import PDWorker
 
     colocated = cfg.role == "both"
@@ -308,8 +303,7 @@ async def _run_pd(cfg: WorkerConfig, model: str, stop: asyncio.Event, security, 
             security=security, copy=not colocated,
         )  # fmt: skip
         worker.link = link
-        if freeze_gc:
-            freeze_heap()
+        on_loaded()
         link.start()
         log.info("%s worker %s up", cfg.role, cfg.worker_id)
         try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdq.cluster import die_with_parent
+from epdq.ring import _pid_alive  # the same liveness test the ring's stale-segment sweep uses
 
 NS_PREFIX = "epdqnt-"
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-\d+-\S+$")
@@ -40,16 +41,6 @@ class NetnsUnavailable(Exception):
 
 def ip(*args: str, check: bool = True, timeout: float = 15.0) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=timeout)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_ns_pids(ns: str) -> None:
