@@ -28,6 +28,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ _HDR = struct.Struct("<8s16sQQ")  # magic, key, generation, nbytes; rest of the 
 _GEN = struct.Struct("<Q")
 _GEN_AT = 24  # offset of the generation inside the header
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+# How long a reader trusts that a mapped segment is still linked before looking again (fstat).
+# Its bytes stay valid either way; the look only lets go of a dead encoder's pages, and costs
+# ~15 us with cold caches, which is what a PD worker woken by a new request has.
+RELINK_CHECK_S = 1.0
 # real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
 _PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
 
@@ -223,11 +228,15 @@ class RingWriter:
         return data
 
     def close(self, unlink: bool = True) -> None:
+        """Unmap; with `unlink` also remove the segment and invalidate every entry, so readers
+        that still map it see stale entries at once rather than at their next link check."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             if unlink:
+                for e in self._space.order:
+                    _GEN.pack_into(self._mm, e.start + _GEN_AT, 0)
                 self._finalizer()
             else:
                 self._finalizer.detach()
@@ -289,6 +298,29 @@ class _Attached:
     fd: int
     mm: mmap.mmap
     size: int
+    linked_at: float  # monotonic time the segment was last seen linked
+    flat: dict[torch.dtype, torch.Tensor]  # the whole segment as one tensor per dtype read
+
+    def tensor(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of `shape` at byte `offset`: one as_strided over a cached flat tensor (a fresh
+        frombuffer + view costs twice as much with cold caches)."""
+        flat = self.flat.get(dtype)
+        if flat is None:
+            # through a memoryview: torch.frombuffer keeps a reference to the object it is given
+            # but not a buffer export, so over the bare mmap a close() would unmap the pages under
+            # live views (a segfault in whoever copies from one). The memoryview's export lives
+            # as long as any view does, and close() is refused (BufferError) until then.
+            flat = self.flat[dtype] = torch.frombuffer(memoryview(self.mm), dtype=dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        return flat.as_strided(shape, strides[::-1], offset // dtype.itemsize)
+
+    def release(self) -> None:
+        self.flat.clear()  # their buffer export would keep the map from closing
+        _close_map(self.mm)
+        os.close(self.fd)
 
 
 class RingReader:
@@ -322,9 +354,7 @@ class RingReader:
         elif out.dtype != dtype or tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
             raise ValueError("out tensor does not match dtype/shape or is not on the CPU")
         if nbytes:
-            src = torch.frombuffer(seg.mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-            _copy_tensor(out, src.view(shape))
-            del src
+            _copy_tensor(out, seg.tensor(dtype, offset, shape))
         if not _header_ok(seg.mm, hdr, key, generation, nbytes):
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
         return out
@@ -337,7 +367,7 @@ class RingReader:
         `check()` passes AFTER the consumer has copied them (the broker's pin normally keeps the
         entry in place; the check catches the case where it did not)."""
         seg, _ = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
-        return torch.frombuffer(seg.mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
+        return seg.tensor(dtype, offset, shape)
 
     def check(self, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
         """StaleEmbeddingError unless the entry still holds (key, generation)."""
@@ -349,6 +379,7 @@ class RingReader:
         if offset < HEADER_BYTES or offset + nbytes > seg.size or not _header_ok(
             seg.mm, offset - HEADER_BYTES, key, generation, nbytes
         ):
+            self._stale(segment, seg)
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
 
     def _locate(
@@ -370,22 +401,27 @@ class RingReader:
             raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
         hdr = offset - HEADER_BYTES
         if not _header_ok(seg.mm, hdr, key, generation, nbytes):
+            self._stale(segment, seg)
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
         return seg, hdr
+
+    def _stale(self, segment: str, seg: _Attached) -> None:
+        # A missing entry may mean its encoder is gone: look at the link now, not in a second.
+        if not os.fstat(seg.fd).st_nlink:
+            self.forget(segment)
+            raise StaleEmbeddingError(f"ring segment {segment} was removed")
 
     def forget(self, segment: str) -> None:
         with self._lock:
             seg = self._segments.pop(segment, None)
         if seg is not None:
-            _close_map(seg.mm)
-            os.close(seg.fd)
+            seg.release()
 
     def close(self) -> None:
         with self._lock:
             segs, self._segments = list(self._segments.values()), OrderedDict()
         for seg in segs:
-            _close_map(seg.mm)
-            os.close(seg.fd)
+            seg.release()
 
     def _attach(self, segment: str) -> _Attached:
         if type(segment) is not str:
@@ -397,7 +433,11 @@ class RingReader:
         if seg is None and not self._pattern.fullmatch(segment):
             raise ProtocolError(f"not an epdq ring segment of uid {self._uid}: {segment!r:.80}")
         if seg is not None:
+            now = time.monotonic()
+            if now - seg.linked_at < RELINK_CHECK_S:
+                return seg
             if os.fstat(seg.fd).st_nlink:
+                seg.linked_at = now
                 return seg
             self.forget(segment)  # unlinked: its encoder is gone; don't keep its pages alive
             raise StaleEmbeddingError(f"ring segment {segment} was removed")
@@ -418,13 +458,12 @@ class RingReader:
         except BaseException:
             os.close(fd)
             raise
-        seg = _Attached(fd, mm, st.st_size)
+        seg = _Attached(fd, mm, st.st_size, time.monotonic(), {})
         with self._lock:
             self._segments[segment] = seg
             while len(self._segments) > self._max:
                 _, old = self._segments.popitem(last=False)
-                _close_map(old.mm)
-                os.close(old.fd)
+                old.release()
         return seg
 
 

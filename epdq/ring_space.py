@@ -6,14 +6,15 @@ brute-force search) without shared memory. `epdq.ring` owns the bytes.
 
 from __future__ import annotations
 
-import bisect
 import itertools
+from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HEADER_BYTES = 64
 ALIGN = 64
 _LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
+_FREE = (0, 0)  # the cost of a window that evicts nothing
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,10 +41,10 @@ class _Entry:
     nbytes: int
     pinned: bool = True
     stamp: int = 0  # LRU clock at the last unpin
+    end: int = field(init=False)  # a field, not a property: placement reads it in its inner loops
 
-    @property
-    def end(self) -> int:
-        return self.start + self.span
+    def __post_init__(self) -> None:
+        self.end = self.start + self.span
 
     def loc(self) -> EntryLoc:
         return EntryLoc(self.start + HEADER_BYTES, self.nbytes, self.generation)
@@ -82,7 +83,7 @@ class RingSpace:
 
     def add(self, e: _Entry) -> None:
         """Record a new pinned entry; the caller has removed everything it overlaps."""
-        idx = bisect.bisect_left(self.starts, e.start)
+        idx = bisect_left(self.starts, e.start)
         self.starts.insert(idx, e.start)
         self.order.insert(idx, e)
         self.by_key[e.key] = e
@@ -93,27 +94,30 @@ class RingSpace:
     def remove(self, e: _Entry) -> None:
         if e.pinned:
             raise AssertionError("evicting a pinned ring entry")  # a bug, never a runtime case
-        idx = bisect.bisect_left(self.starts, e.start)
+        idx = bisect_left(self.starts, e.start)
         del self.starts[idx], self.order[idx], self.by_key[e.key]
         self.lru.pop(e.key, None)
         self.used_bytes -= e.span
 
     def overlapping(self, start: int, end: int) -> list[_Entry]:
-        i = bisect.bisect_left(self.starts, start)
+        i = bisect_left(self.starts, start)
         if i and self.order[i - 1].end > start:
             i -= 1
-        return self.order[i : bisect.bisect_left(self.starts, end)]
+        return self.order[i : bisect_left(self.starts, end)]
 
     def find_window(self, span: int) -> int | None:
         """Start of the window for a new entry of `span` bytes; None if every window is pinned."""
+        # Runs on every encode (the encoder's hot path, often with cold caches): plain loops over
+        # plain fields, no generators or property calls.
         s = self._cursor if self._cursor + span <= self.capacity else 0
-        if not self.overlapping(s, s + span):
+        if self._window_cost(s, span) == _FREE:
             return s
         best, best_cost = None, None
+        starts, order, n = self.starts, self.order, len(self.order)
         for e in itertools.islice(self.lru.values(), _LRU_TRIES):  # O(log n) each
-            idx = bisect.bisect_left(self.starts, e.start)
-            before = self.order[idx - 1].end if idx else 0
-            after = self.order[idx + 1].start if idx + 1 < len(self.order) else self.capacity
+            idx = bisect_left(starts, e.start)
+            before = order[idx - 1].end if idx else 0
+            after = order[idx + 1].start if idx + 1 < n else self.capacity
             for s in (before, after - span):
                 cost = self._window_cost(s, span)
                 if cost is not None and (best_cost is None or cost < best_cost):
@@ -121,12 +125,25 @@ class RingSpace:
         return best if best is not None else self._scan(span)
 
     def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
-        if s < 0 or s + span > self.capacity:
+        """(newest victim's stamp, victims) of the window at `s`; None if out of bounds or pinned."""
+        end = s + span
+        if s < 0 or end > self.capacity:
             return None
-        victims = self.overlapping(s, s + span)
-        if any(v.pinned for v in victims):
-            return None
-        return (max((v.stamp for v in victims), default=0), len(victims))
+        order = self.order
+        i = bisect_left(self.starts, s)
+        if i and order[i - 1].end > s:
+            i -= 1
+        top = count = 0
+        for j in range(i, len(order)):
+            v = order[j]
+            if v.start >= end:
+                break
+            if v.pinned:
+                return None
+            if v.stamp > top:
+                top = v.stamp
+            count += 1
+        return (top, count)
 
     def _scan(self, span: int) -> int | None:
         # Sliding window over candidate starts (0, each unpinned start, each entry end), all

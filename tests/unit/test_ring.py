@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import secrets
 import stat
@@ -375,6 +376,39 @@ def test_unlinked_segment_is_stale_and_forgotten(reader):
     assert w.name not in reader._segments
     with pytest.raises(StaleEmbeddingError):  # and a name that never existed
         read(reader, w, k, loc, t)
+
+
+def test_segment_of_a_crashed_writer_is_let_go_at_the_next_link_check(reader, monkeypatch):
+    # A killed encoder invalidates nothing; its segment is unlinked later by cleanup. The bytes a
+    # reader still maps are intact, so they may be read until the next link check, which then
+    # drops the mapping (the check is throttled: an fstat per read costs ~15 us with cold caches).
+    w = RingWriter(MIN_CAPACITY)
+    t = f32(4096, 3.0)
+    k = key()
+    loc = w.write(k, t)
+    assert torch.equal(read(reader, w, k, loc, t), t)
+    view = reader.view(w.name, loc.offset, loc.nbytes, k, loc.generation, t.dtype, tuple(t.shape))
+    w.close(unlink=False)  # as after SIGKILL: nothing invalidated
+    os.unlink(os.path.join(SHM_DIR, w.name))  # cleanup_stale_segments
+    assert torch.equal(read(reader, w, k, loc, t), t)  # within RELINK_CHECK_S: intact bytes
+    monkeypatch.setattr(ring_mod, "RELINK_CHECK_S", 0.0)
+    with pytest.raises(StaleEmbeddingError, match="removed"):
+        read(reader, w, k, loc, t)
+    assert w.name not in reader._segments
+    assert torch.equal(view, t)  # a view handed out earlier keeps its pages mapped
+
+
+def test_views_are_exact_windows_of_the_entry(writer, reader):
+    # views come from one cached flat tensor per dtype: shape, strides and bytes must be the entry's
+    for dtype, shape in ((torch.bfloat16, (7, 48)), (torch.float32, (3, 5, 8)), (torch.float16, (0, 64))):
+        t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).to(dtype)
+        k = key()
+        loc = writer.write(k, t)
+        v = reader.view(writer.name, loc.offset, loc.nbytes, k, loc.generation, dtype, shape)
+        assert v.shape == shape and v.is_contiguous() and v.dtype == dtype
+        assert torch.equal(v, t)
+        out = reader.read(writer.name, loc.offset, loc.nbytes, k, loc.generation, dtype, shape)
+        assert torch.equal(out, t)
 
 
 # -- hostile messages -----------------------------------------------------------------------------
