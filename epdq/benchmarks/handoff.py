@@ -29,8 +29,12 @@ Without CUDA the table says "skipped: no CUDA" for each of them.
 
 Every transfer is timed from just before the writer's first call to the tensor being in the
 reader's hand (`time.perf_counter_ns` is CLOCK_MONOTONIC, one clock for both processes). Methods
-are interleaved within every repeat (their order rotates), and sources, destinations and ring
-slots cycle through pools larger than the last-level cache so that no method reads warm bytes.
+are interleaved within every repeat, in a fresh (seeded) random order each time, and sources,
+destinations and ring slots cycle through pools larger than the last-level cache so that no
+method reads warm bytes. (A fixed rotation kept each method's predecessor fixed: the ring-view
+transfer always came right after the memcpy baseline, whose 16 MiB of traffic at 8 MiB had just
+flushed the shared cache, and its write took ~40 us longer than the same write after another
+method.)
 
 `run()` prints the tables, writes `handoff.json` (and `handoff.png`) and returns the results;
 `python -m epdq.benchmarks.handoff --sizes 1,8,32 --repeats 20` does the same from a shell.
@@ -45,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import resource
 import secrets
 import selectors
@@ -400,6 +405,11 @@ class _Pool:
         return self.buf[start : start + n].view(self.shapes[size])
 
 
+def _order(methods: list[str], repeat: int, size: int) -> list[str]:
+    """The methods of one repeat in a random order that is the same in every run."""
+    return random.Random(repeat * 1009 + size).sample(methods, len(methods))
+
+
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -528,8 +538,7 @@ class _Writer:
         }
         for r in range(cfg["warmup"] + cfg["repeats"]):
             for size in range(len(cfg["rows"])):
-                k = r % len(methods)
-                for m in methods[k:] + methods[:k]:  # rotate: no method is always first or last
+                for m in _order(methods, r, size):
                     res = await self.one(m, size, torch)
                     if r >= cfg["warmup"]:
                         rec = out[m][str(size)]
@@ -835,8 +844,7 @@ def _cuda_writer_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
             raise RuntimeError("the reader did not start")
         for r in range(cfg["warmup"] + cfg["repeats"]):
             for size in range(len(cfg["rows"])):
-                k = r % len(methods)
-                for m in methods[k:] + methods[:k]:
+                for m in _order(methods, r, size):
                     if m in failed:
                         continue
                     i = slots[size]
