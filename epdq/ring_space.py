@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 HEADER_BYTES = 64
 ALIGN = 64
 _LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
-_FREE = (0, 0)  # the cost of a window that evicts nothing
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,18 +98,20 @@ class RingSpace:
         self.lru.pop(e.key, None)
         self.used_bytes -= e.span
 
-    def overlapping(self, start: int, end: int) -> list[_Entry]:
+    def _first_reaching(self, start: int) -> int:
+        """Index of the first entry that ends after `start`."""
         i = bisect_left(self.starts, start)
-        if i and self.order[i - 1].end > start:
-            i -= 1
-        return self.order[i : bisect_left(self.starts, end)]
+        return i - 1 if i and self.order[i - 1].end > start else i
+
+    def overlapping(self, start: int, end: int) -> list[_Entry]:
+        return self.order[self._first_reaching(start) : bisect_left(self.starts, end)]
 
     def find_window(self, span: int) -> int | None:
         """Start of the window for a new entry of `span` bytes; None if every window is pinned."""
         # Runs on every encode (the encoder's hot path, often with cold caches): plain loops over
         # plain fields, no generators or property calls.
         s = self._cursor if self._cursor + span <= self.capacity else 0
-        if self._window_cost(s, span) == _FREE:
+        if not self.overlapping(s, s + span):
             return s
         best, best_cost = None, None
         starts, order, n = self.starts, self.order, len(self.order)
@@ -130,11 +131,8 @@ class RingSpace:
         if s < 0 or end > self.capacity:
             return None
         order = self.order
-        i = bisect_left(self.starts, s)
-        if i and order[i - 1].end > s:
-            i -= 1
         top = count = 0
-        for j in range(i, len(order)):
+        for j in range(self._first_reaching(s), len(order)):
             v = order[j]
             if v.start >= end:
                 break
