@@ -12,7 +12,7 @@ Two kinds:
   scheduler (`epdq.scheduler.Scheduler`, injected clock) takes every dispatch decision and the
   workers' service times come from a documented cost model (no model, no sleeping). The colocated
   engine pays the vision encoder inside its steps; EPD's encoder runs on its own accelerator.
-  Scenarios: 4 images per request, EPD 1E+3PD vs 4 colocated (vLLM's setup); and a
+  Scenarios: `--images` per request (4 by default), EPD 1E+3PD vs 4 colocated (vLLM's setup); and a
   repeated-image workload (half the images from a hot set of 32) with the embedding cache vs the
   cache disabled (every image unique), plus the colocated baseline for context.
   SLOs: vLLM's EPD evaluation uses P99 TTFT <= 20 s and P99 TPOT <= 100 ms for a 4B model; they
@@ -222,16 +222,23 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (math.inf if a > 0 else math.nan)
 
 
+def _images_label(res: dict[str, Any]) -> str:
+    # the "_4img" keys of the JSON name the main scenario, which runs at --images per request
+    n = res["workload"]["images_per_request"]
+    return f"{n} image" + ("" if n == 1 else "s")
+
+
 def _print_cost(res: dict[str, Any]) -> None:
     s = res["summary"]
     slo = res["slo"]
     u = res["unloaded"]
-    print(f"\nCost model (simulated, real scheduler): encode 4 images {u['encode_request_s'] * 1e3:.0f} ms, "
+    k = _images_label(res)
+    print(f"\nCost model (simulated, real scheduler): encode {k} {u['encode_request_s'] * 1e3:.0f} ms, "
           f"prefill {u['prefill_request_s'] * 1e3:.0f} ms, unloaded TPOT {u['tpot_s'] * 1e3:.1f} ms; "
           f"SLO P99 TTFT <= {slo['ttft_p99_s']:.2f} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
     labels = {
-        "epd_4img": f"EPD {res['systems']['epd']}, 4 img/req",
-        "colocated_4img": f"{res['systems']['colocated']}, 4 img/req",
+        "epd_4img": f"EPD {res['systems']['epd']}, {k}/req",
+        "colocated_4img": f"{res['systems']['colocated']}, {k}/req",
         "epd_repeat_cache": "EPD, 50% repeated images, cache",
         "epd_repeat_nocache": "EPD, 50% repeated images, no cache",
         "colocated_repeat": "colocated, 50% repeated images",
@@ -246,7 +253,7 @@ def _print_cost(res: dict[str, Any]) -> None:
     print(table(["system", "max QPS in SLO", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
                  "TPOT p99 ms"], rows, title="Goodput (at the highest offered load meeting both P99 SLOs)"))  # fmt: skip
     print(
-        f"EPD / colocated goodput, 4 images per request: {res['epd_over_colocated_4img']:.2f}x; "
+        f"EPD / colocated goodput, {k} per request: {res['epd_over_colocated_4img']:.2f}x; "
         f"cache gain on the repeated-image workload: {res['cache_gain']:.2f}x"
     )
     for name in ("epd_4img", "colocated_4img"):
@@ -258,7 +265,7 @@ def _print_cost(res: dict[str, Any]) -> None:
     rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], r["epd_goodput"], r["colocated_goodput"],
              f"{r['ratio']:.2f}x"] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
     print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
-                rows, title="Sensitivity: EPD/colocated goodput (4 img/req) vs how tight the TPOT SLO is"))  # fmt: skip
+                rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
 
 
 # ---------------------------------------------------------------- real kind
@@ -411,13 +418,14 @@ def _plot(res: dict[str, Any], path: Path) -> None:
                     q, [p["tpot_p99"] * 1e3 for p in c], ls, color=color, marker="o", ms=3, label=label
                 )
                 ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
-        ax[0][0].set_title("4 images/request: goodput (within both SLOs)")
+        k = _images_label(res)
+        ax[0][0].set_title(f"{k}/request: goodput (within both SLOs)")
         ax[1][1].set_title("50% repeated images: goodput")
         ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
-        ax[0][1].set_title("4 images/request: P99 TPOT (ms)")
+        ax[0][1].set_title(f"{k}/request: P99 TPOT (ms)")
         ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
         ax[1][0].set_yscale("log")
-        ax[1][0].set_title("4 images/request: P99 TTFT (s)")
+        ax[1][0].set_title(f"{k}/request: P99 TTFT (s)")
         for a in ax.flat:
             a.set_xlabel("offered load (requests/s)")
             a.grid(alpha=0.3)

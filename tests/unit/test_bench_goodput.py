@@ -43,3 +43,12 @@ def test_cache_disabled_encodes_every_image():
     cm, wl = CostModel(), Workload(images_per_request=2, output_tokens=3, repeat_fraction=1.0, hot_set=1)
     r = simulate_point("epd", cm, wl, 2.0, 10, ttft_slo=100, tpot_slo=1, unique_keys=True)
     assert r.extra["counters"]["encodes_done"] == 20 and r.completed == 10
+
+
+def test_cost_goodput_labels_follow_images_per_request(tmp_path, capsys):
+    goodput.run(kind="cost", out_dir=str(tmp_path), plot=False, images_per_request=1, qps_grid=[1.0], window_s=3.0,
+                min_requests=4, refine=0, sensitivity=[1.5])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1 image/req" in out and "encode 1 image " in out and "1 image per request" in out
+    assert "4 img" not in out and "4 images" not in out
+    assert json.loads((tmp_path / "goodput.json").read_text())["workload"]["images_per_request"] == 1
