@@ -13,7 +13,8 @@ Both systems get the same requests, side by side in one run, phases alternating:
   has no embedding cache: a repeated image costs the same as a fresh one) and `text`.
 
 Every request asks for max_tokens=1, so end-to-end latency is the latency the control plane
-adds. Targets (epdq vs the HTTP proxy): >= 5x throughput, <= 1/3 latency, >= 10,000 routed
+adds. Each phase also records the CPU time every process of the system used (user + system, all
+threads, from /proc; the client is this process), per request: where a 2-core machine's time goes. Targets (epdq vs the HTTP proxy): >= 5x throughput, <= 1/3 latency, >= 10,000 routed
 requests per second.
 
 `python -m epdq.benchmarks.control [--requests N] [--concurrency 1 32] [--out DIR]`
@@ -26,6 +27,7 @@ import asyncio
 import base64
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -112,6 +114,34 @@ async def _drive(
 
 # ------------------------------------------------------------------ the two systems
 
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) a live process has used; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14 and 15)
+
+
+def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float | None]:
+    return {role: _cpu_s(pid) for role, pid in pids.items()}
+
+
+def _cpu_per_request_us(a: dict[str, float | None], b: dict[str, float | None], n: int) -> dict[str, float]:
+    out = {}
+    for role, t0 in a.items():
+        t1 = b.get(role)
+        if t0 is not None and t1 is not None and n > 0:
+            out[role] = (t1 - t0) / n * 1e6
+    if out:
+        out["total"] = sum(out.values())
+    return out
+
+
 
 class _EpdqSystem:
     def __init__(self, tmp: Path):
@@ -154,6 +184,11 @@ class _EpdqSystem:
 
     async def stats(self) -> dict:
         return await self.client.stats() if self.client is not None else {}
+
+    def pids(self) -> dict[str, int]:
+        roles = {"broker": "broker", "encoder-0": "encoder", "pd-0": "pd"}
+        out = {roles[c.name]: c.proc.pid for c in self.cluster.children if c.name in roles} if self.cluster else {}
+        return out | {"client": os.getpid()}
 
     async def stop(self) -> None:
         try:
@@ -206,6 +241,9 @@ class _HttpSystem:
                 json.loads(await r.read())
 
         return await _drive(send, n, conc, prog)
+
+    def pids(self) -> dict[str, int]:
+        return {role: p.pid for role, p in self.baseline.procs.items()} | {"client": os.getpid()}
 
     async def stop(self) -> None:
         try:
@@ -297,12 +335,15 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
                         await hp.phase(ka, wl, miss_warm, warm, top, prog)
             before = await ep.stats()
             for system, wl, c in phases:
+                pids = ep.pids() if system == EPDQ else hp.pids()  # type: ignore[union-attr]
+                cpu0 = _cpu_snapshot(pids)
                 if system == EPDQ:
                     r = await ep.phase(wl, miss_by_conc[c], images.hit, requests, c, prog)
                 else:
                     assert hp is not None
                     r = await hp.phase(system == HTTP_KEEPALIVE, wl, miss_by_conc[c], requests, c, prog)
-                results.append({"system": system, "workload": wl, "concurrency": c, **r})
+                cpu = _cpu_per_request_us(cpu0, _cpu_snapshot(pids), r["ok"])
+                results.append({"system": system, "workload": wl, "concurrency": c, **r, "cpu_us_per_request": cpu})
             after = await ep.stats()
             info["epdq_broker_counters"] = _delta(before.get("counters", {}), after.get("counters", {}))
         finally:
@@ -321,6 +362,9 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
     ]
     print(table(["system", "workload", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"], rows,
                 title="Control plane: no-op engines, max_tokens=1, 64x64 PNG (latency = end to end)"))  # fmt: skip
+    print(table(["system", "workload", "concurrency", "router (broker / proxy)", "encoder", "PD", "client", "all",
+                 "cores busy"], [_cpu_row(r) for r in results],
+                title="CPU per request, µs (user + system, all threads; 'cores busy' = all × req/s)"))  # fmt: skip
     if ratios:
         print(table(
             ["epdq workload", "vs", "concurrency", "throughput ×", "p50 ratio", "p99 ratio", "≥5× thr", "≤⅓ p50", "≤⅓ p99"],
@@ -357,6 +401,14 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
             )
     print(f"\nwrote {path}" + (f" and {data['png_path']}" if plot else ""))
     return data
+
+
+def _cpu_row(r: dict) -> list[Any]:
+    cpu = r.get("cpu_us_per_request") or {}
+    router = cpu.get("broker", cpu.get("proxy", math.nan))
+    total = cpu.get("total", math.nan)
+    return [r["system"], r["workload"], r["concurrency"], router, cpu.get("encoder", math.nan), cpu.get("pd", math.nan),
+            cpu.get("client", math.nan), total, total * 1e-6 * r["rps"]]  # fmt: skip
 
 
 def _delta(a: dict, b: dict) -> dict:

@@ -34,6 +34,12 @@ def test_control_benchmark_small(tmp_path, capsys):
     for r in saved["results"]:
         assert r["requests"] == 50 and r["ok"] == 50 and r["errors"] == 0, r
         assert r["rps"] > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"]
+        # every process of the system is accounted (CPU times tick at 10 ms: no values asserted)
+        roles = {"broker", "encoder", "pd"} if r["system"] == "epdq" else {"proxy", "encoder", "pd"}
+        cpu = r["cpu_us_per_request"]
+        assert set(cpu) == roles | {"client", "total"}, cpu
+        assert all(v >= 0 for v in cpu.values()) and cpu["total"] == pytest.approx(sum(cpu[k] for k in roles | {"client"}))
+    assert "CPU per request" in out
     assert len(saved["ratios"]) == 2 * 3 * 2  # 2 concurrencies x 3 epdq workloads x 2 baselines
     assert saved["targets"] and data["results"] == saved["results"]
     # hits really skipped the encoder: the broker encoded only the fresh images (warm-up included)
