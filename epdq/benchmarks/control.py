@@ -14,7 +14,8 @@ Both systems get the same requests, side by side in one run, phases alternating:
 
 Every request asks for max_tokens=1, so end-to-end latency is the latency the control plane
 adds. Each phase also records the CPU time every process of the system used (user + system, all
-threads, from /proc; the client is this process), per request: where a 2-core machine's time goes. Targets (epdq vs the HTTP proxy): >= 5x throughput, <= 1/3 latency, >= 10,000 routed
+threads, from /proc; the client is this process), per request: where a 2-core machine's time
+goes. Targets (epdq vs the HTTP proxy): >= 5x throughput, <= 1/3 latency, >= 10,000 routed
 requests per second.
 
 `python -m epdq.benchmarks.control [--requests N] [--concurrency 1 32] [--out DIR]`
@@ -140,7 +141,6 @@ def _cpu_per_request_us(a: dict[str, float | None], b: dict[str, float | None], 
     if out:
         out["total"] = sum(out.values())
     return out
-
 
 
 class _EpdqSystem:
