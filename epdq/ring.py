@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -158,8 +159,8 @@ class RingWriter:
     def write(self, key: bytes, tensor: torch.Tensor) -> EntryLoc | None:
         """Copy `tensor` into the ring as a new pinned entry; None if every window is pinned."""
         _check_key(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        span = HEADER_BYTES + _round_up(nbytes, ALIGN)
+        nbytes = tensor.nbytes
+        span = HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN
         if span > self.capacity:
             raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
         with self._lock:
@@ -311,11 +312,15 @@ class _Attached:
             # live views (a segfault in whoever copies from one). The memoryview's export lives
             # as long as any view does, and close() is refused (BufferError) until then.
             flat = self.flat[dtype] = torch.frombuffer(memoryview(self.mm), dtype=dtype)
-        strides, step = [], 1
-        for d in reversed(shape):
-            strides.append(step)
-            step *= d
-        return flat.as_strided(shape, strides[::-1], offset // dtype.itemsize)
+        if len(shape) == 2:  # [rows, hidden]: every embedding the engines produce
+            strides: Sequence[int] = (shape[1], 1)
+        else:
+            strides, step = [], 1
+            for d in reversed(shape):
+                strides.append(step)
+                step *= d
+            strides.reverse()
+        return flat.as_strided(shape, strides, offset // dtype.itemsize)
 
     def release(self) -> None:
         self.flat.clear()  # their buffer export would keep the map from closing
