@@ -296,26 +296,9 @@ class AsyncClient:
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
         return rid, P.encode(sub) + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, timeout
 
-    async def _run(
-        self,
-        prompt: str | None = None,
-        *,
-        images: Sequence[Any] = (),
-        messages: list[dict] | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Iterable[str] | None = None,
-        ignore_eos: bool = False,
-        timeout: float | None = None,
-        route: str = "auto",
-    ) -> AsyncIterator[Delta | tuple]:
+    async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()
-        rid, frames, copy, timeout = self._prepare(
-            prompt, images=images, messages=messages, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, timeout=timeout, route=route,
-        )  # fmt: skip
+        rid, frames, copy, timeout = self._prepare(prompt, **kwargs)  # the arguments are _prepare's
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._streams[rid] = q
