@@ -107,8 +107,8 @@ def stage_handoff(chk: Check) -> dict[str, Any]:
         cuda=True if a.device.startswith("cuda") else None, device=a.device if a.device != "cpu" else "cuda:0",
         pool_mib=a.handoff_pool_mib, ring_mib=a.handoff_pool_mib,
     )  # fmt: skip
-    chk.tables.append(handoff._render(data))
-    chk.tables.append(handoff._render_cuda(data["cuda"], data["config"]))
+    chk.tables.append(handoff.render(data))
+    chk.tables.append(handoff.render_cuda(data["cuda"], data["config"]))
     if a.device.startswith("cuda") and data["cuda"]["status"] != "ok":
         chk.failures.append(f"hand-off on the GPU: {data['cuda']['status'][:300]}")
     return {"cuda": {k: v for k, v in data["cuda"].items() if k != "results"},

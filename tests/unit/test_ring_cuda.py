@@ -445,4 +445,4 @@ def test_handoff_gpu_rows_dry_run_and_skip(tmp_path):
     if not HAS_CUDA:
         skipped = handoff.run(**kw)["cuda"]
         assert skipped["status"] == "skipped: no CUDA"
-        assert "skipped: no CUDA" in handoff._render_cuda(skipped, {"dtype": "bfloat16", "hidden": 3584})
+        assert "skipped: no CUDA" in handoff.render_cuda(skipped, {"dtype": "bfloat16", "hidden": 3584})
