@@ -327,7 +327,7 @@ app.add_typer(bench_app, name="bench")
 def _bench(module: str, argv: list[str]) -> None:
     import importlib
 
-    rc = importlib.import_module(f"epdq.benchmarks.{module}").main(argv)
+    rc = importlib.import_module(f"epdq.benchmarks.{module}").main(argv, prog=f"epdq bench {module}")
     raise typer.Exit(rc if isinstance(rc, int) else 0)
 
 

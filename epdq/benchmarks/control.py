@@ -273,10 +273,21 @@ def run(
     `Progress`). `warmup`: requests per system and workload before measuring (default
     max(20, requests // 10))."""
     conc = [int(c) for c in concurrency]
-    if not conc or min(conc) < 1 or requests < 1:
-        raise ValueError("concurrency values and requests must be >= 1")
+    _check_args(conc, requests, warmup)
     warm = max(20, requests // 10) if warmup is None else int(warmup)
     return _run_loop(_main(conc, requests, warm, Path(out_dir), plot, progress, http))
+
+
+MAX_CONCURRENCY = 1024  # the broker's default queue bound: beyond it requests are refused, not measured
+
+
+def _check_args(conc: list[int], requests: int, warmup: int | None) -> None:
+    if not conc or min(conc) < 1 or max(conc) > MAX_CONCURRENCY:
+        raise ValueError(f"concurrency values must be 1..{MAX_CONCURRENCY}, not {conc}")
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, not {requests}")
+    if warmup is not None and warmup < 0:
+        raise ValueError(f"warmup must be >= 0, not {warmup}")
 
 
 def _run_loop(coro):
@@ -502,16 +513,22 @@ def _plot(results: list[dict], path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epdq.benchmarks.control", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.control") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per phase")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up requests per system and workload")
-    ap.add_argument("--out", default="bench-results", help="directory for control.json and control.png")
+    ap.add_argument(
+        "--out", "--out-dir", dest="out", default="bench-results", help="directory for control.json and control.png"
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-http", action="store_true", help="epdq only (no HTTP baseline)")
     ap.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
     a = ap.parse_args(argv)
+    try:
+        _check_args(a.concurrency, a.requests, a.warmup)
+    except ValueError as e:
+        ap.error(str(e))
     run(concurrency=a.concurrency, requests=a.requests, out_dir=a.out, plot=not a.no_plot,
         progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup)  # fmt: skip
     return 0

@@ -70,6 +70,18 @@ class CostModel:
     embed_bytes_per_value: int = 2
     handoff_bytes_per_s: float = 10e9
 
+    def __post_init__(self) -> None:
+        for name in ("enc_call_s", "enc_image_s", "enc_s_per_mpx", "step_s", "decode_s_per_seq", "prefill_s_per_token"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, not {v!r}")
+        for name in ("max_batched_tokens", "hidden_size", "embed_bytes_per_value"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, not {v!r}")
+        if not (math.isfinite(self.handoff_bytes_per_s) and self.handoff_bytes_per_s > 0):
+            raise ValueError(f"handoff_bytes_per_s must be > 0, not {self.handoff_bytes_per_s!r}")
+
     def image_tokens(self, w: int, h: int) -> int:
         return math.ceil(w / 28) * math.ceil(h / 28)
 
@@ -95,6 +107,11 @@ class CostModel:
         }
 
 
+MAX_IMAGES = 64  # images per request
+MAX_TOKENS = 1 << 20  # prompt text or output tokens per request
+MAX_SIDE = 16384  # image width or height, px
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     images_per_request: int = 4
@@ -104,6 +121,21 @@ class Workload:
     repeat_fraction: float = 0.0  # probability that an image is drawn from the hot set
     hot_set: int = 32  # distinct images in the hot set
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check_int(name: str, lo: int, hi: int) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, int) and lo <= v <= hi):
+                raise ValueError(f"{name} must be an integer in {lo}..{hi}, not {v!r}")
+
+        check_int("images_per_request", 1, MAX_IMAGES)
+        check_int("text_tokens", 0, MAX_TOKENS)
+        check_int("output_tokens", 1, MAX_TOKENS)
+        check_int("hot_set", 1, 10**6)
+        if len(self.image_size) != 2 or not all(isinstance(v, int) and 1 <= v <= MAX_SIDE for v in self.image_size):
+            raise ValueError(f"image_size must be (width, height) in 1..{MAX_SIDE} px, not {self.image_size!r}")
+        if not (isinstance(self.repeat_fraction, (int, float)) and 0 <= self.repeat_fraction <= 1):
+            raise ValueError(f"repeat_fraction must be in [0, 1], not {self.repeat_fraction!r}")
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)

@@ -126,6 +126,32 @@ def _mean(vals) -> float:
     return sum(vals) / len(vals) if vals else 0.0
 
 
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_cost_args(
+    *, n_pd: int, tpot_slack: float, ttft_slo: float | None, tpot_slo: float | None, qps_grid: list[float] | None,
+    window_s: float, min_requests: int, refine: int, sensitivity: list[float] | None,
+) -> None:  # fmt: skip
+    """ValueError naming the first bad argument (the workload's own fields are checked by Workload)."""
+    if not (isinstance(n_pd, int) and 1 <= n_pd <= 1024):
+        raise ValueError(f"the number of PD workers must be 1..1024, not {n_pd!r}")
+    if not (_positive(tpot_slack) and tpot_slack >= 1):
+        raise ValueError(f"tpot_slack must be >= 1 (a multiple of the unloaded TPOT), not {tpot_slack!r}")
+    for name, v in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
+        if v is not None and not _positive(v):
+            raise ValueError(f"{name} must be > 0 seconds, not {v!r}")
+    if qps_grid is not None and not (qps_grid and all(_positive(q) for q in qps_grid)):
+        raise ValueError(f"offered loads must be > 0 requests/s, not {qps_grid!r}")
+    if not _positive(window_s):
+        raise ValueError(f"window_s must be > 0 seconds, not {window_s!r}")
+    if not (isinstance(min_requests, int) and min_requests >= 1 and isinstance(refine, int) and refine >= 0):
+        raise ValueError("min_requests must be >= 1 and refine >= 0")
+    if sensitivity is not None and not all(_positive(x) and x >= 1 for x in sensitivity):
+        raise ValueError(f"sensitivity TPOT slacks must be >= 1, not {sensitivity!r}")
+
+
 def run_cost(
     *, n_pd: int = 3, images_per_request: int = 4, image_size: tuple[int, int] = (512, 512), text_tokens: int = 128,
     output_tokens: int = 128, repeat_fraction: float = 0.5, hot_set: int = 32, tpot_slack: float = 1.5,
@@ -133,6 +159,8 @@ def run_cost(
     window_s: float = 120.0, min_requests: int = 200, refine: int = 4, sensitivity: list[float] | None = None,
     cost: CostModel | None = None, seed: int = 0, progress=None,
 ) -> dict[str, Any]:  # fmt: skip
+    _check_cost_args(n_pd=n_pd, tpot_slack=tpot_slack, ttft_slo=ttft_slo, tpot_slo=tpot_slo, qps_grid=qps_grid,
+                     window_s=window_s, min_requests=min_requests, refine=refine, sensitivity=sensitivity)  # fmt: skip
     cm = cost or CostModel()
     t_slo, p_slo = scaled_slos(cm, tpot_slack)
     ttft_slo = ttft_slo if ttft_slo is not None else t_slo
@@ -452,15 +480,17 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.goodput") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m epdq.benchmarks.goodput", description=__doc__.split("\n\n")[0]
+        prog=prog, description=__doc__.split("\n\n")[0]
     )
     ap.add_argument(
         "--real", action="store_true", help="the real tiny model on CPU instead of the cost model"
     )
     ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps")
-    ap.add_argument("--out-dir", default="bench-results")
+    ap.add_argument(
+        "--out", "--out-dir", dest="out_dir", default="bench-results", help="directory for goodput.json (goodput-real.json with --real) and the plot"
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--pd", type=int, default=3, help="N: EPD is 1 encoder + N PD, colocated is N+1 workers")
     ap.add_argument("--images", type=int, default=4, help="images per request")
@@ -480,18 +510,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--qps", default="", help="comma-separated offered loads")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    qps = [float(x) for x in a.qps.split(",") if x] or None
+    try:
+        qps = [float(x) for x in a.qps.split(",") if x.strip()] or None
+    except ValueError:
+        ap.error(f"--qps must be numbers separated by commas, not {a.qps!r}")
+    if qps is not None and not all(_positive(q) for q in qps):
+        ap.error(f"--qps values must be > 0, not {a.qps!r}")
+    for flag, v in (("--ttft-slo", a.ttft_slo), ("--tpot-slo", a.tpot_slo)):
+        if v is not None and not _positive(v):
+            ap.error(f"{flag} must be > 0 seconds, not {v!r}")
     if a.real:
         run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real_qps=qps, ttft_slo=a.ttft_slo,
             tpot_slo=a.tpot_slo, seed=a.seed)  # fmt: skip
         return 0
-    w, h = (int(v) for v in a.image_size.lower().split("x"))
+    try:
+        w, h = (int(v) for v in a.image_size.lower().split("x"))
+    except ValueError:
+        ap.error(f"--image-size must be WIDTHxHEIGHT in pixels, e.g. 512x512, not {a.image_size!r}")
     kw: dict[str, Any] = dict(n_pd=a.pd, images_per_request=a.images, image_size=(w, h), text_tokens=a.text_tokens,
                               output_tokens=a.output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
                               tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
                               qps_grid=qps)  # fmt: skip
     if not a.quick:
         kw["window_s"] = a.window
+    try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
+        Workload(a.images, (w, h), a.text_tokens, a.output_tokens, a.repeat_fraction, a.hot_set, a.seed)
+        _check_cost_args(n_pd=a.pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
+                         window_s=a.window, min_requests=1, refine=0, sensitivity=None)  # fmt: skip
+    except ValueError as e:
+        ap.error(str(e))
     run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
     return 0
 

@@ -88,12 +88,7 @@ def run(
     `device` (None: when CUDA is available; without it they are reported as skipped).
     """
     sizes = [float(s) for s in sizes_mib]
-    if not sizes or any(not 0 < s <= 1024 for s in sizes):
-        raise ValueError(f"sizes must be in (0, 1024] MiB, got {sizes_mib}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be >= 1 and warmup >= 0")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"dtype must be bfloat16, float16 or float32, not {dtype!r}")
+    _check_args(sizes, repeats, warmup, dtype, pool_mib, ring_mib)
     itemsize = 4 if dtype == "float32" else 2
     rows = [max(1, round(s * MIB / (HIDDEN * itemsize))) for s in sizes]
     biggest = max(rows) * HIDDEN * itemsize
@@ -126,9 +121,20 @@ def run(
     return json.loads(path.read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
+def _check_args(sizes: list[float], repeats: int, warmup: int, dtype: str, pool_mib: int, ring_mib: int) -> None:
+    if not sizes or any(not 0 < s <= 1024 for s in sizes):
+        raise ValueError(f"sizes must be in (0, 1024] MiB, got {sizes}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, not {dtype!r}")
+    if not (1 <= pool_mib <= 65536 and 1 <= ring_mib <= 65536):
+        raise ValueError(f"pool and ring sizes must be 1..65536 MiB, not {pool_mib} and {ring_mib}")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.handoff") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m epdq.benchmarks.handoff",
+        prog=prog,
         description="Embedding hand-off: shared-memory ring vs remote fetch vs safetensors files vs one memcpy.",
     )
     ap.add_argument(
@@ -138,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=20, help="measured repeats per size and method (default 20)"
     )
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (default 2)")
-    ap.add_argument("--out", default="bench-results", help="directory for handoff.json / handoff.png")
+    ap.add_argument(
+        "--out", "--out-dir", dest="out", default="bench-results", help="directory for handoff.json / handoff.png"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--curve", action="store_true", help="also measure the fetch path with CURVE encryption")
     ap.add_argument("--pool-mib", type=int, default=256, help="pool that sources/destinations cycle through")
@@ -154,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes = tuple(float(s) for s in args.sizes.split(",") if s.strip())
     except ValueError:
         ap.error(f"--sizes must be numbers separated by commas, not {args.sizes!r}")
+    try:
+        _check_args(list(sizes), args.repeats, args.warmup, args.dtype, args.pool_mib, args.ring_mib)
+    except ValueError as e:
+        ap.error(str(e))
     run(
         sizes_mib=sizes, repeats=args.repeats, out_dir=args.out, plot=not args.no_plot,
         progress=args.progress, curve=args.curve, dtype=args.dtype, warmup=args.warmup,

@@ -160,6 +160,7 @@ def run(
 ) -> dict[str, Any]:  # fmt: skip
     """Run the scale benchmark; print tables; write scale.json. `plot` is accepted for symmetry (no plot)."""
     del plot
+    _check_args(workers, requests, encoder_share, nodes, hot_set, repeat_fraction, text_only)
     encoders = max(1, round(workers * encoder_share))
     pds = max(1, workers - encoders)
     reqs = _make_requests(requests, seed, hot_set, repeat_fraction, text_only)
@@ -312,16 +313,42 @@ def _print(res: dict[str, Any]) -> None:
         print(table(["memory", "value"], rows, title="Memory (tracemalloc)"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epdq.benchmarks.scale", description=__doc__.split("\n\n")[0])
+def _check_args(
+    workers: int, requests: int, encoder_share: float, nodes: int, hot_set: int = 1, repeat_fraction: float = 0.0,
+    text_only: float = 0.0,
+) -> None:  # fmt: skip
+    if not 2 <= workers <= 1_000_000:
+        raise ValueError(f"workers must be 2..1000000 (at least one encoder and one PD), not {workers}")
+    if not 1 <= requests <= 10_000_000:
+        raise ValueError(f"requests must be 1..10000000, not {requests}")
+    if not 0 < encoder_share < 1:
+        raise ValueError(f"encoder_share must be between 0 and 1 (exclusive), not {encoder_share}")
+    if not 1 <= nodes <= workers:
+        raise ValueError(f"nodes must be 1..workers ({workers}), not {nodes}")
+    if hot_set < 1:
+        raise ValueError(f"hot_set must be >= 1, not {hot_set}")
+    for name, v in (("repeat_fraction", repeat_fraction), ("text_only", text_only)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be in [0, 1], not {v}")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.scale") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--encoder-share", type=float, default=0.2)
     ap.add_argument("--nodes", type=int, default=50)
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
-    ap.add_argument("--out-dir", default="bench-results")
+    ap.add_argument(
+        "--out", "--out-dir", dest="out_dir", default="bench-results", help="directory for scale.json"
+    )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-plot", action="store_true", help="accepted as by the other benchmarks (this one draws none)")
     a = ap.parse_args(argv)
+    try:
+        _check_args(a.workers, a.requests, a.encoder_share, a.nodes)
+    except ValueError as e:
+        ap.error(str(e))
     run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=a.nodes,
         memory=not a.no_memory, out_dir=a.out_dir, seed=a.seed)  # fmt: skip
     return 0

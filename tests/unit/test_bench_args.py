@@ -1,0 +1,84 @@
+"""Every benchmark refuses bad arguments before it starts anything: a usage error (exit 2) that
+names the bad value, never a traceback halfway through a run."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from epdq.benchmarks.costmodel import CostModel, Workload
+
+BAD_ARGS = [
+    ("handoff", ["--sizes", "abc"], "--sizes must be numbers"),
+    ("handoff", ["--sizes", "0"], "sizes must be in (0, 1024] MiB"),
+    ("handoff", ["--repeats", "0"], "repeats must be >= 1"),
+    ("handoff", ["--pool-mib", "0"], "pool and ring sizes"),
+    ("control", ["--requests", "0"], "requests must be >= 1"),
+    ("control", ["--concurrency", "1", "0"], "concurrency values must be 1..1024"),
+    ("control", ["--concurrency", "5000"], "concurrency values must be 1..1024"),
+    ("control", ["--warmup", "-1"], "warmup must be >= 0"),
+    ("goodput", ["--images", "0"], "images_per_request must be an integer in 1..64"),
+    ("goodput", ["--image-size", "big"], "--image-size must be WIDTHxHEIGHT"),
+    ("goodput", ["--image-size", "0x512"], "image_size must be (width, height)"),
+    ("goodput", ["--qps", "1,x"], "--qps must be numbers"),
+    ("goodput", ["--qps", "-2"], "--qps values must be > 0"),
+    ("goodput", ["--pd", "0"], "the number of PD workers must be 1..1024"),
+    ("goodput", ["--tpot-slack", "0.5"], "tpot_slack must be >= 1"),
+    ("goodput", ["--repeat-fraction", "1.5"], "repeat_fraction must be in [0, 1]"),
+    ("goodput", ["--output-tokens", "0"], "output_tokens must be an integer"),
+    ("goodput", ["--ttft-slo", "0"], "--ttft-slo must be > 0"),
+    ("goodput", ["--real", "--tpot-slo", "-1"], "--tpot-slo must be > 0"),
+    ("goodput", ["--window", "0"], "window_s must be > 0"),
+    ("scale", ["--workers", "1"], "workers must be 2..1000000"),
+    ("scale", ["--requests", "0"], "requests must be 1..10000000"),
+    ("scale", ["--encoder-share", "1"], "encoder_share must be between 0 and 1"),
+    ("scale", ["--workers", "10", "--nodes", "11"], "nodes must be 1..workers"),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), BAD_ARGS)
+def test_bad_arguments_are_usage_errors(module, argv, message, tmp_path, capsys):
+    main = importlib.import_module(f"epdq.benchmarks.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path)], prog=f"epdq bench {module}")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"epdq bench {module}: error:" in err and message in err
+    assert os.listdir(tmp_path) == []  # refused before anything ran or was written
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"images_per_request": 0},
+        {"images_per_request": 65},
+        {"images_per_request": 2.0},
+        {"image_size": (512,)},
+        {"image_size": (512, 0)},
+        {"image_size": (512, 20000)},
+        {"text_tokens": -1},
+        {"output_tokens": 0},
+        {"repeat_fraction": -0.1},
+        {"hot_set": 0},
+    ],
+)
+def test_workload_rejects_bad_fields(kw):
+    with pytest.raises(ValueError):
+        Workload(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"step_s": -0.001}, {"enc_s_per_mpx": float("nan")}, {"max_batched_tokens": 0}, {"handoff_bytes_per_s": 0.0}],
+)
+def test_cost_model_rejects_bad_constants(kw):
+    with pytest.raises(ValueError):
+        CostModel(**kw)
+
+
+def test_defaults_are_valid():
+    Workload()
+    CostModel()
+    Workload(images_per_request=1, image_size=(1, 1), text_tokens=0, output_tokens=1, repeat_fraction=1.0, hot_set=1)
