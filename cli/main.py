@@ -241,7 +241,11 @@ def make_model(
     """Write the tiny random Qwen2-VL checkpoint (real HF format) used when no --model is given."""
     from epdq.models.tiny import default_model_dir, write_tiny_checkpoint
 
-    path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
+    try:
+        path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
+    except OSError as e:  # a directory the user named that cannot be written: one line, not a traceback
+        typer.echo(f"error: cannot write the model to {out}: {e.strerror or e}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(str(path))
 
 
@@ -315,7 +319,11 @@ def keygen(
     """Write CURVE key pairs for broker, clients and workers, and the broker's allow-list."""
     from epdq.keys import ensure_cluster_keys
 
-    d = ensure_cluster_keys(directory)
+    try:
+        d = ensure_cluster_keys(directory)
+    except OSError as e:
+        typer.echo(f"error: cannot write keys to {directory}: {e.strerror or e}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"keys in {d}: broker, client, worker (*.key public, *.key_secret private); allow-list {d}/allowed")
     typer.echo("Give clients client.key_secret + broker.key; workers worker.key_secret + broker.key.")
 
