@@ -7,7 +7,8 @@ URLs only when `allow_remote_urls` is set.
 
 Typed epdq errors become HTTP statuses with an OpenAI-style body `{"error": {message, type, code}}`:
 busy -> 429 (+ Retry-After), invalid input -> 400, deadline -> 504, broker unavailable -> 503,
-worker lost -> 502, anything else -> 500.
+worker lost -> 502, anything else -> 500. The request schema, image resolution and that mapping
+live in `epdq.chat_request`; this module is the app, its streaming and its server.
 """
 
 from __future__ import annotations
@@ -15,30 +16,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
-import os
-import stat
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import unquote, urlparse
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from epdq.errors import (
-    BrokerUnavailableError,
-    BusyError,
-    DeadlineExceededError,
-    EpdqError,
-    InvalidInputError,
-    WorkerLostError,
+from epdq.chat_request import (
+    ChatCompletionRequest,
+    HTTPError,
+    bad_request,
+    http_error,
+    sampling_kwargs,
+    to_epdq_messages,
 )
+from epdq.errors import BrokerUnavailableError, EpdqError
 from epdq.metrics import GatewayMetrics
 
 log = logging.getLogger("epdq.gateway")
@@ -70,205 +67,6 @@ class GatewayConfig:
             raise ValueError("max_body_bytes, max_image_bytes and request_timeout_s must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
-
-
-# ---------------------------------------------------------------- request schema
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI does
-
-
-class ImageURL(_Model):
-    url: str
-    detail: str | None = None
-
-
-class TextPart(_Model):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Model):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-class ChatMessageIn(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart | ImagePart] | None = None
-    name: str | None = None
-
-
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(_Model):
-    model: str
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
-
-
-# ---------------------------------------------------------------- errors
-
-
-class HTTPError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, code: str = "invalid_input") -> HTTPError:
-    return HTTPError(400, message, "invalid_request_error", code)
-
-
-def http_error(exc: BaseException) -> HTTPError:
-    """The HTTP status and OpenAI-style error for an exception from the client."""
-    if isinstance(exc, HTTPError):
-        return exc
-    if isinstance(exc, BusyError):
-        retry = str(max(1, math.ceil(exc.retry_after)))
-        return HTTPError(429, exc.message, "rate_limit_error", exc.code, {"Retry-After": retry})
-    if isinstance(exc, InvalidInputError):
-        return bad_request(exc.message)
-    if isinstance(exc, DeadlineExceededError):
-        return HTTPError(504, exc.message, "timeout_error", exc.code)
-    if isinstance(exc, BrokerUnavailableError):
-        return HTTPError(503, exc.message, "service_unavailable_error", exc.code, {"Retry-After": "1"})
-    if isinstance(exc, WorkerLostError):
-        return HTTPError(502, exc.message, "upstream_error", exc.code)
-    if isinstance(exc, EpdqError):
-        return HTTPError(500, exc.message, "server_error", exc.code)
-    return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error", "internal")
-
-
-# ---------------------------------------------------------------- images
-
-
-def read_local_image(ref: str, allow_dir: str, max_bytes: int) -> bytes:
-    """Bytes of a local file named by `ref` (a `file://` URL or a path, relative to `allow_dir`),
-    only if its real path (symlinks resolved) lies inside `allow_dir` and it is a regular file."""
-    if ref.startswith("file:"):
-        u = urlparse(ref)
-        if u.netloc not in ("", "localhost"):
-            raise bad_request("file: URLs must name a local file")
-        ref = unquote(u.path)
-    if not ref or "\x00" in ref:
-        raise bad_request("empty or invalid image path")
-    root = Path(os.path.realpath(allow_dir))
-    path = Path(os.path.realpath(root / ref))  # an absolute `ref` replaces root
-    if not path.is_relative_to(root):
-        raise bad_request("image path is outside the allowed directory", "path_not_allowed")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        raise bad_request("image file not found or not readable", "path_not_allowed") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise bad_request("image path is not a regular file", "path_not_allowed")
-        if st.st_size > max_bytes:
-            raise bad_request(f"image file is larger than {max_bytes} bytes")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise bad_request(f"image file is larger than {max_bytes} bytes")
-    return data
-
-
-async def fetch_remote_image(url: str, cfg: GatewayConfig) -> bytes:
-    """Download an http(s) image with a size cap and a timeout (only when remote URLs are enabled)."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=cfg.remote_timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url, max_redirects=3) as r:
-            if r.status != 200:
-                raise bad_request(f"fetching the image URL gave HTTP {r.status}")
-            if (r.content_length or 0) > cfg.max_image_bytes:
-                raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
-            buf = bytearray()
-            async for chunk in r.content.iter_chunked(64 * 1024):
-                buf += chunk
-                if len(buf) > cfg.max_image_bytes:
-                    raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
-            return bytes(buf)
-    except (aiohttp.ClientError, TimeoutError) as e:
-        raise bad_request(f"could not fetch the image URL: {type(e).__name__}") from None
-
-
-async def _image_part(url: str, cfg: GatewayConfig) -> dict:
-    if url.startswith("data:"):
-        return {"type": "image_url", "image_url": {"url": url}}  # decoded and validated by the client
-    scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("file:") else ""
-    if scheme in ("http", "https"):
-        if not cfg.allow_remote_urls:
-            raise bad_request(
-                "remote image URLs are disabled on this server; send a data: URL", "remote_url_disabled"
-            )
-        return {"type": "image", "image": await fetch_remote_image(url, cfg)}
-    if scheme not in ("", "file"):
-        raise bad_request(f"unsupported image URL scheme {scheme!r}")
-    if cfg.allow_dir is None:
-        raise bad_request(
-            "local image files are disabled on this server; send a data: URL", "path_not_allowed"
-        )
-    data = await asyncio.to_thread(read_local_image, url, cfg.allow_dir, cfg.max_image_bytes)
-    return {"type": "image", "image": data}
-
-
-async def to_epdq_messages(req: ChatCompletionRequest, cfg: GatewayConfig) -> list[dict]:
-    out: list[dict] = []
-    for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
-        if m.content is None or isinstance(m.content, str):
-            out.append({"role": role, "content": m.content or ""})
-            continue
-        parts: list[dict] = []
-        for p in m.content:
-            if isinstance(p, TextPart):
-                parts.append({"type": "text", "text": p.text})
-            else:
-                parts.append(await _image_part(p.image_url.url, cfg))
-        out.append({"role": role, "content": parts})
-    return out
-
-
-def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str, Any]:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported")
-    max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
-    kw: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "timeout": cfg.request_timeout_s,
-    }
-    if req.seed is not None:
-        kw["seed"] = req.seed
-    if req.stop is not None:
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-        if len(stops) > 4 or any(not s for s in stops):
-            raise bad_request("stop takes at most 4 non-empty strings")
-        kw["stop"] = stops
-    return kw
 
 
 # ---------------------------------------------------------------- app

@@ -287,7 +287,7 @@ async def test_busy_is_429_and_disconnect_cancels(tmp_path):
 
 def test_error_mapping():
     from epdq import BusyError, DeadlineExceededError, EngineError, InvalidInputError, WorkerLostError
-    from epdq.gateway import http_error
+    from epdq.chat_request import http_error
 
     e = http_error(BusyError("full", retry_after=2.2))
     assert (e.status, e.headers["Retry-After"], e.body()["error"]["code"]) == (429, "3", "busy")
