@@ -21,6 +21,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +300,23 @@ def _read_exact(fd: int, n: int) -> bytes:
             return b""
         buf += chunk
     return buf
+
+
+def _notes(note_fd: int, codes: dict[str, int]) -> Iterator[tuple[int, int, str, int, int, int, int, int, bytes, int]]:
+    """The reader's loop over the writer's notes, until STOP or EOF: (page faults so far, woken
+    at (perf_counter_ns, right after the note arrived), method, size index, slot, offset, nbytes,
+    generation, key, stamp)."""
+    names = {v: k for k, v in codes.items()}
+    while True:
+        faults = _faults()
+        msg = _read_exact(note_fd, _NOTE.size)
+        woke = time.perf_counter_ns()
+        if not msg:
+            return
+        code, size, slot, offset, nbytes, generation, key, stamp = _NOTE.unpack(msg)
+        if code == _STOP:
+            return
+        yield faults, woke, names[code], size, slot, offset, nbytes, generation, key, stamp
 
 
 def _emit(kind: str, rest: str = "") -> None:

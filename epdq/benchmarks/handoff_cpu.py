@@ -28,9 +28,9 @@ from epdq.benchmarks.handoff_common import (
     _emit,
     _faults,
     _new_loop,
+    _notes,
     _order,
     _Pool,
-    _read_exact,
     _read_setup,
     _wake,
     _write_frame,
@@ -241,20 +241,10 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
         fetchers["fetch_curve"] = RemoteFetcher(
             ctx, security=security_for("worker", keys_dir=cfg["keys_dir"])
         )
-    names = {v: k for k, v in _CODE.items()}
     status = _READY
     try:
         _write_frame(ack_fd, _ACK.pack(_READY, 0, 0, 0, 0))
-        while True:
-            f0 = _faults()
-            msg = _read_exact(note_fd, _NOTE.size)
-            woke = now()
-            if not msg:
-                return
-            code, size, slot, offset, nbytes, generation, key, stamp = _NOTE.unpack(msg)
-            if code == _STOP:
-                return
-            method = names[code]
+        for f0, woke, method, size, slot, offset, nbytes, generation, key, stamp in _notes(note_fd, _CODE):
             shape = (cfg["rows"][size], HIDDEN)
             try:
                 if method == "ring_view":

@@ -26,6 +26,7 @@ from epdq.benchmarks.handoff_common import (
     CUDA_PARTS,
     HIDDEN,
     _emit,
+    _notes,
     _order,
     _Pool,
     _read_exact,
@@ -244,18 +245,9 @@ def _cuda_reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     ring = _decode_cuda_ring(bytes.fromhex(setup["cuda_ring"])) if setup["cuda_ring"] else None
     pool, host = _Pool(cfg, 0.125, str(dev)), _Pool(cfg, 0.0625)
     creader, sreader = CudaRingReader(dev), RingReader()
-    names = {v: k for k, v in _CUDA_CODE.items()}
     try:
         _write_frame(ack_fd, _ACK.pack(_READY, 0, 0, 0, 0))
-        while True:
-            msg = _read_exact(note_fd, _NOTE.size)
-            woke = now()
-            if not msg:
-                return
-            code, size, slot, offset, nbytes, generation, key, stamp = _NOTE.unpack(msg)
-            if code == _STOP:
-                return
-            method = names[code]
+        for _, woke, method, size, slot, offset, nbytes, generation, key, stamp in _notes(note_fd, _CUDA_CODE):
             shape = (cfg["rows"][size], HIDDEN)
             try:
                 if method == "cuda_ring":
