@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -35,3 +36,50 @@ async def wait_stats(addr: str, pred, timeout: float = 20.0) -> dict:
             if time.monotonic() > end:
                 raise AssertionError(f"condition not met within {timeout}s; last stats: {s}")
             await asyncio.sleep(0.05)
+
+
+ENGINE_REQUEST_TIMEOUT_S = 60
+_engine_ids = itertools.count()
+
+
+def chat(n_images: int, text: str = "Describe the picture.") -> list[dict]:
+    """One user turn: `n_images` image parts, then the text."""
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+async def collect(engine, prompt: str, spec, rid: str | None = None, **kwargs) -> tuple[list[int], str, str | None]:
+    """Run one generate() to the end: (token ids, text, finish reason); bounded by a timeout."""
+
+    async def run():
+        tokens, text, reason = [], "", None
+        async for delta in engine.generate(rid or f"req-{next(_engine_ids)}", prompt, spec, **kwargs):
+            assert reason is None, "no delta may follow the one carrying finish_reason"
+            tokens += delta.token_ids
+            text += delta.text
+            reason = delta.finish_reason
+        return tokens, text, reason
+
+    return await asyncio.wait_for(run(), ENGINE_REQUEST_TIMEOUT_S)
+
+
+async def abort_mid_stream(engine, prompt: str, spec, rid: str = "abort-me") -> list[int]:
+    """Stream one request, abort it once tokens flow; the stream must end in CancelledError.
+    Returns the tokens seen before the abort took effect."""
+    import pytest
+
+    from epdq.errors import CancelledError
+
+    seen: list[int] = []
+
+    async def consume():
+        async for delta in engine.generate(rid, prompt, spec):
+            seen.extend(delta.token_ids)
+
+    task = asyncio.create_task(consume())
+    deadline = time.monotonic() + ENGINE_REQUEST_TIMEOUT_S
+    while not seen and not task.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    await engine.abort(rid)
+    with pytest.raises(CancelledError):
+        await asyncio.wait_for(task, ENGINE_REQUEST_TIMEOUT_S)
+    return seen

@@ -7,7 +7,6 @@ process): "pd" fed precomputed embeddings and "both" fed pixels. Both engines st
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import numpy as np
 import pytest
@@ -16,22 +15,17 @@ import torch
 from PIL import Image
 
 from epdq.engines.base import EncodedImage, SamplingSpec
-from epdq.errors import CancelledError, InvalidInputError
+from epdq.errors import InvalidInputError
+from tests.integration.helpers import abort_mid_stream, chat, collect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-REQUEST_TIMEOUT_S = 60
 SIZES = [(112, 112), (64, 200), (300, 150), (224, 224)]  # (height, width): four different grids
-_ids = itertools.count()
 
 
 def noise_image(seed: int, size: tuple[int, int]) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
-
-
-def chat(n_images: int, text: str = "Describe the picture.") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
 def stack(encoded: list[EncodedImage]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,25 +34,7 @@ def stack(encoded: list[EncodedImage]) -> tuple[torch.Tensor, torch.Tensor]:
     return embeds, grid
 
 
-async def collect(engine, prompt: str, spec: SamplingSpec, **kwargs) -> tuple[list[int], str, str | None]:
-    async def run():
-        tokens, text, reason = [], "", None
-        async for delta in engine.generate(f"t{next(_ids)}", prompt, spec, **kwargs):
-            assert reason is None, "no delta may follow the one carrying finish_reason"
-            tokens += delta.token_ids
-            text += delta.text
-            reason = delta.finish_reason
-        return tokens, text, reason
 
-    return await asyncio.wait_for(run(), REQUEST_TIMEOUT_S)
-
-
-
-@pytest.fixture(scope="module")
-def encoder(model_dir):
-    from epdq.engines.vision import HFVisionEncoder
-
-    return HFVisionEncoder(model_dir)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -155,19 +131,7 @@ async def test_bad_embeddings_are_rejected_and_engine_survives(engines, encoder)
 async def test_stream_chunks_and_abort(engines):
     pd, _ = engines
     prompt = pd.render_prompt(chat(0, "Tell a long story."))
-    spec = SamplingSpec(max_tokens=64, stop=())
-    seen: list[int] = []
-
-    async def consume():
-        async for delta in pd.generate("abort-me", prompt, spec):
-            seen.extend(delta.token_ids)
-
-    task = asyncio.create_task(consume())
-    while not seen and not task.done():
-        await asyncio.sleep(0.005)
-    await pd.abort("abort-me")
-    with pytest.raises(CancelledError):
-        await asyncio.wait_for(task, REQUEST_TIMEOUT_S)
+    seen = await abort_mid_stream(pd, prompt, SamplingSpec(max_tokens=64, stop=()))
     assert 0 < len(seen) < 64
     # The engine keeps serving after an abort.
     assert (await collect(pd, prompt, SamplingSpec(max_tokens=4)))[2] == "length"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 
 import pytest
 import pytest_asyncio
@@ -18,43 +17,20 @@ from PIL import Image
 
 from epdq.demo import demo_image
 from epdq.engines.base import PDEngine, SamplingSpec
-from epdq.errors import CancelledError, InvalidInputError
+from epdq.errors import InvalidInputError
+from tests.integration.helpers import abort_mid_stream, chat, collect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-REQUEST_TIMEOUT_S = 60
 SPEC = SamplingSpec(max_tokens=12)
 SIZES = [(112, 112), (200, 64)]  # (width, height) for demo_image: two different grids
-_ids = itertools.count()
 
 
 def image(seed: int, size: tuple[int, int]) -> Image.Image:
     return Image.open(io.BytesIO(demo_image(seed, size))).convert("RGB")
 
 
-def chat(n_images: int, text: str = "Describe the picture.") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
-
-async def collect(engine, prompt: str, spec: SamplingSpec, rid: str | None = None, **kwargs):
-    async def run():
-        tokens, text, reason = [], "", None
-        async for delta in engine.generate(rid or f"h{next(_ids)}", prompt, spec, **kwargs):
-            assert reason is None, "no delta may follow the one carrying finish_reason"
-            tokens += delta.token_ids
-            text += delta.text
-            reason = delta.finish_reason
-        return tokens, text, reason
-
-    return await asyncio.wait_for(run(), REQUEST_TIMEOUT_S)
-
-
-
-@pytest.fixture(scope="module")
-def encoder(model_dir):
-    from epdq.engines.vision import HFVisionEncoder
-
-    return HFVisionEncoder(model_dir)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -212,19 +188,7 @@ async def test_eos_stops(hf):
 async def test_abort_and_concurrency(hf):
     pd, _ = hf
     prompt = pd.render_prompt(chat(0, "Tell a long story."))
-    spec = SamplingSpec(max_tokens=200, ignore_eos=True)
-    seen: list[int] = []
-
-    async def consume():
-        async for delta in pd.generate("abort-me", prompt, spec):
-            seen.extend(delta.token_ids)
-
-    task = asyncio.create_task(consume())
-    while not seen and not task.done():
-        await asyncio.sleep(0.001)
-    await pd.abort("abort-me")
-    with pytest.raises(CancelledError):
-        await asyncio.wait_for(task, REQUEST_TIMEOUT_S)
+    seen = await abort_mid_stream(pd, prompt, SamplingSpec(max_tokens=200, ignore_eos=True))
     assert 0 < len(seen) < 200
     # Concurrent requests interleave and still give the sequential answers.
     prompts = [pd.render_prompt(chat(0, t)) for t in ("One.", "Two words.", "Three more words.")]
