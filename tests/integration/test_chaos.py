@@ -67,12 +67,10 @@ async def chaos_cluster(tmp_path_factory, model_dir):
     d = tmp_path_factory.mktemp("chaos")
     spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=2, pds=2, both=1, model=model_dir,
                        log_dir=str(d / "logs"), start_timeout_s=400)  # fmt: skip
-    c = Cluster(spec)
     try:
-        await c.start()
-        yield c
+        async with Cluster(spec) as c:
+            yield c
     finally:
-        await asyncio.to_thread(c.stop)
         cleanup_stale_segments()  # the SIGKILLed encoder never unlinked its ring
 
 

@@ -31,12 +31,8 @@ async def local_cluster(tmp_path_factory, model_dir):
     d = tmp_path_factory.mktemp("ipc-cluster")
     spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=1, pds=1, both=1, model=model_dir,
                        log_dir=str(d / "logs"), start_timeout_s=400)  # fmt: skip
-    c = Cluster(spec)
-    try:
-        await c.start()
+    async with Cluster(spec) as c:
         yield c
-    finally:
-        await asyncio.to_thread(c.stop)
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +41,8 @@ async def remote_cluster(tmp_path_factory, model_dir, unused_tcp_port_factory):
     spec = ClusterSpec(address=f"tcp://127.0.0.1:{unused_tcp_port_factory()}", encoders=1, pds=1, model=model_dir,
                        nodes={"encoder": "node-a", "pd": "node-b"}, log_dir=str(d / "logs"),
                        start_timeout_s=400)  # fmt: skip
-    c = Cluster(spec)
-    try:
-        await c.start()
+    async with Cluster(spec) as c:
         yield c
-    finally:
-        await asyncio.to_thread(c.stop)
 
 
 async def both_routes(address: str, prompt: str, images: list[bytes], **kw):
