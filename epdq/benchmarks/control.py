@@ -42,6 +42,7 @@ PROMPT = "Describe this image."
 TARGET_THROUGHPUT_X = 5.0
 TARGET_LATENCY_RATIO = 1 / 3
 TARGET_RPS = 10_000.0
+MAX_CONCURRENCY = 1024  # the broker's default queue bound: beyond it requests are refused, not measured
 EPDQ = "epdq"
 HTTP_VLLM = "http-vllm"
 HTTP_KEEPALIVE = "http-keepalive"
@@ -276,9 +277,6 @@ def run(
     _check_args(conc, requests, warmup)
     warm = max(20, requests // 10) if warmup is None else int(warmup)
     return _run_loop(_main(conc, requests, warm, Path(out_dir), plot, progress, http))
-
-
-MAX_CONCURRENCY = 1024  # the broker's default queue bound: beyond it requests are refused, not measured
 
 
 def _check_args(conc: list[int], requests: int, warmup: int | None) -> None:

@@ -481,16 +481,13 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.goodput") -> int:
-    ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--real", action="store_true", help="the real tiny model on CPU instead of the cost model"
     )
     ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps")
-    ap.add_argument(
-        "--out", "--out-dir", dest="out_dir", default="bench-results", help="directory for goodput.json (goodput-real.json with --real) and the plot"
-    )
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench-results",
+                    help="directory for goodput.json (goodput-real.json with --real) and the plot")  # fmt: skip
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--pd", type=int, default=3, help="N: EPD is 1 encoder + N PD, colocated is N+1 workers")
     ap.add_argument("--images", type=int, default=4, help="images per request")
