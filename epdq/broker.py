@@ -18,21 +18,11 @@ import zmq
 
 from epdq import protocol as P
 from epdq.errors import EpdqError, InvalidInputError, ProtocolError
+from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
 from epdq.media import image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
-from epdq.scheduler import (
-    Fail,
-    Request,
-    Role,
-    Scheduler,
-    SchedulerConfig,
-    SendAbort,
-    SendEncode,
-    SendPin,
-    SendPrefill,
-    SendUnpin,
-)
+from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import authenticator_for
 from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket
 

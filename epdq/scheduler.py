@@ -15,8 +15,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from dataclasses import dataclass
 from typing import Any
 
 from epdq.errors import (
@@ -28,20 +27,22 @@ from epdq.errors import (
     WorkerLostError,
     error_from_code,
 )
+from epdq.jobs import (
+    Action,
+    EncodeJob,
+    Fail,
+    IndexEntry,
+    ReqState,
+    Request,
+    Role,
+    SendAbort,
+    SendEncode,
+    SendPin,
+    SendPrefill,
+    SendUnpin,
+    WorkerState,
+)
 from epdq.protocol import EmbedRef, EntryId
-
-
-class Role(StrEnum):
-    ENCODER = "encoder"
-    PD = "pd"
-    BOTH = "both"
-
-
-class ReqState(Enum):
-    WAITING = "waiting"  # blocked on pending encodes
-    READY = "ready"  # in the prefill queue
-    RUNNING = "running"  # held by a PD (or both) worker
-    DONE = "done"
 
 
 @dataclass(slots=True)
@@ -65,103 +66,6 @@ class SchedulerConfig:
         if self.busy_retry_after_s < 0 or self.max_timeout_s <= 0:
             raise ValueError("retry hint must be >= 0 and max timeout > 0")
 
-
-@dataclass(slots=True)
-class WorkerState:
-    worker_id: str
-    role: Role
-    node: str
-    capacity: int
-    ring_capacity: int = 0
-    inflight: set = field(default_factory=set)  # encode job ids, or request ids for PD roles
-    listed: bool = False  # present in the free list of its role
-
-    @property
-    def credit(self) -> int:
-        return self.capacity - len(self.inflight)
-
-
-@dataclass(slots=True)
-class EncodeJob:
-    job_id: int
-    key: bytes
-    image: Any  # the image file bytes (a frame or bytes), kept for re-queueing
-    attempts: int = 0
-    worker: str | None = None
-
-
-@dataclass(slots=True)
-class IndexEntry:
-    ref: EmbedRef
-    pinned: bool = True  # encoders write new entries pinned
-
-
-@dataclass(slots=True)
-class Request:
-    rid: str
-    client: bytes
-    route: str  # "epd" | "colocated"
-    keys: list[bytes]  # per image, prompt order (duplicates kept)
-    images: list[Any]
-    deadline: float
-    payload: Any  # the Submit message, forwarded to the PD worker
-    admitted_at: float
-    state: ReqState = ReqState.WAITING
-    pending: set = field(default_factory=set)
-    ready_at: float = 0.0
-    dispatched_at: float = 0.0
-    worker: str | None = None
-    streamed: bool = False
-    attempts: int = 0
-    cache_hits: int = 0
-    image_bytes: int = 0
-    first_token_at: float = 0.0  # set by the broker, for TTFT / TPOT metrics
-    tokens: int = 0
-
-
-# ---------------------------------------------------------------- decisions
-
-
-@dataclass(slots=True)
-class SendEncode:
-    worker_id: str
-    job: EncodeJob
-
-
-@dataclass(slots=True)
-class SendPrefill:
-    worker_id: str
-    request: Request
-    refs: list[EmbedRef]  # per image in prompt order; empty on the colocated route
-
-
-@dataclass(slots=True)
-class SendPin:
-    worker_id: str
-    entries: list[EntryId]
-
-
-@dataclass(slots=True)
-class SendUnpin:
-    worker_id: str
-    entries: list[EntryId]
-
-
-@dataclass(slots=True)
-class SendAbort:
-    worker_id: str
-    rid: str
-
-
-@dataclass(slots=True)
-class Fail:
-    rid: str
-    client: bytes
-    error: EpdqError
-    request: Request | None = None  # what it was (for the request log)
-
-
-Action = SendEncode | SendPrefill | SendPin | SendUnpin | SendAbort | Fail
 
 COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",

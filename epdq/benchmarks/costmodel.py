@@ -50,8 +50,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from epdq.jobs import Fail, Role, SendEncode, SendPrefill
 from epdq.protocol import EmbedRef
-from epdq.scheduler import Fail, Role, Scheduler, SchedulerConfig, SendEncode, SendPrefill
+from epdq.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from epdq.benchmarks.report import Progress, percentile, table, write_json
+from epdq.jobs import Role, SendEncode, SendPrefill
 from epdq.protocol import EmbedRef
-from epdq.scheduler import Role, Scheduler, SchedulerConfig, SendEncode, SendPrefill
+from epdq.scheduler import Scheduler, SchedulerConfig
 
 _IMAGE = b"\0" * 64  # the scheduler only keeps a reference and counts bytes
 

@@ -3,19 +3,9 @@
 import pytest
 
 from epdq.errors import BusyError, DeadlineExceededError, InvalidInputError, WorkerLostError
+from epdq.jobs import Fail, ReqState, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.protocol import EmbedRef, EntryId
-from epdq.scheduler import (
-    Fail,
-    ReqState,
-    Role,
-    Scheduler,
-    SchedulerConfig,
-    SendAbort,
-    SendEncode,
-    SendPin,
-    SendPrefill,
-    SendUnpin,
-)
+from epdq.scheduler import Scheduler, SchedulerConfig
 
 
 class Clock:

@@ -1,0 +1,126 @@
+"""The scheduler's vocabulary: worker roles, the records it keeps (workers, encode jobs, index
+entries, requests and their states) and the decisions it hands the broker (`Send*`, `Fail`).
+
+Plain data, no logic: `epdq.scheduler` changes these records, `epdq.broker` turns the decisions
+into messages, and the cost-model simulation (`epdq.benchmarks.costmodel`) acts them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from typing import Any
+
+from epdq.errors import EpdqError
+from epdq.protocol import EmbedRef, EntryId
+
+
+class Role(StrEnum):
+    ENCODER = "encoder"
+    PD = "pd"
+    BOTH = "both"
+
+
+class ReqState(Enum):
+    WAITING = "waiting"  # blocked on pending encodes
+    READY = "ready"  # in the prefill queue
+    RUNNING = "running"  # held by a PD (or both) worker
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    role: Role
+    node: str
+    capacity: int
+    ring_capacity: int = 0
+    inflight: set = field(default_factory=set)  # encode job ids, or request ids for PD roles
+    listed: bool = False  # present in the free list of its role
+
+    @property
+    def credit(self) -> int:
+        return self.capacity - len(self.inflight)
+
+
+@dataclass(slots=True)
+class EncodeJob:
+    job_id: int
+    key: bytes
+    image: Any  # the image file bytes (a frame or bytes), kept for re-queueing
+    attempts: int = 0
+    worker: str | None = None
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    ref: EmbedRef
+    pinned: bool = True  # encoders write new entries pinned
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    client: bytes
+    route: str  # "epd" | "colocated"
+    keys: list[bytes]  # per image, prompt order (duplicates kept)
+    images: list[Any]
+    deadline: float
+    payload: Any  # the Submit message, forwarded to the PD worker
+    admitted_at: float
+    state: ReqState = ReqState.WAITING
+    pending: set = field(default_factory=set)
+    ready_at: float = 0.0
+    dispatched_at: float = 0.0
+    worker: str | None = None
+    streamed: bool = False
+    attempts: int = 0
+    cache_hits: int = 0
+    image_bytes: int = 0
+    first_token_at: float = 0.0  # set by the broker, for TTFT / TPOT metrics
+    tokens: int = 0
+
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass(slots=True)
+class SendEncode:
+    worker_id: str
+    job: EncodeJob
+
+
+@dataclass(slots=True)
+class SendPrefill:
+    worker_id: str
+    request: Request
+    refs: list[EmbedRef]  # per image in prompt order; empty on the colocated route
+
+
+@dataclass(slots=True)
+class SendPin:
+    worker_id: str
+    entries: list[EntryId]
+
+
+@dataclass(slots=True)
+class SendUnpin:
+    worker_id: str
+    entries: list[EntryId]
+
+
+@dataclass(slots=True)
+class SendAbort:
+    worker_id: str
+    rid: str
+
+
+@dataclass(slots=True)
+class Fail:
+    rid: str
+    client: bytes
+    error: EpdqError
+    request: Request | None = None  # what it was (for the request log)
+
+
+Action = SendEncode | SendPrefill | SendPin | SendUnpin | SendAbort | Fail
