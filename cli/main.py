@@ -200,7 +200,7 @@ def generate(
             if as_json:
                 t = r.timings
                 typer.echo(json.dumps({"request_id": r.request_id, "text": r.text, "token_ids": r.token_ids,
-                                       "finish_reason": r.finish_reason,
+                                       "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
                                        "timings": {s: getattr(t, s) for s in t.__slots__}}))  # fmt: skip
             else:
                 typer.echo(r.text)

@@ -469,11 +469,13 @@ class Broker:
         t = msg.timings
         ttft = req.first_token_at - req.admitted_at if req.first_token_at else -1.0
         log.info(
-            "request %s done: %s, %d tokens (%s), %d images (%d cached), encode %.3f s, queue %.3f s, "
-            "ttft %.3f s, total %.3f s, on %s", req.rid, req.route, req.tokens, msg.finish_reason, t.images,
-            t.cache_hits, t.encode_s, t.queue_s, ttft, now - req.admitted_at, req.worker,
+            "request %s done: %s, %d prompt + %d tokens (%s), %d images (%d cached), encode %.3f s, "
+            "queue %.3f s, ttft %.3f s, total %.3f s, on %s", req.rid, req.route, msg.prompt_tokens, req.tokens,
+            msg.finish_reason, t.images, t.cache_hits, t.encode_s, t.queue_s, ttft, now - req.admitted_at,
+            req.worker,
             extra={"request_id": req.rid, "event": "request_done", "route": req.route, "tokens": req.tokens,
-                   "finish_reason": msg.finish_reason, "images": t.images, "cache_hits": t.cache_hits,
+                   "prompt_tokens": msg.prompt_tokens, "finish_reason": msg.finish_reason, "images": t.images,
+                   "cache_hits": t.cache_hits,
                    "encode_s": round(t.encode_s, 6), "queue_s": round(t.queue_s, 6),
                    "ttft_s": round(ttft, 6), "total_s": round(now - req.admitted_at, 6), "worker": req.worker},
         )  # fmt: skip

@@ -55,6 +55,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     request_id: str = ""  # the broker's id of the request (as in its logs)
+    prompt_tokens: int = 0  # on the last delta: the prompt's length in the engine (images expanded)
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class GenerateResult:
     token_ids: list[int]
     finish_reason: str
     timings: Timings = field(default_factory=Timings)
+    prompt_tokens: int = 0  # the prompt's length in the engine, image tokens included
 
 
 class AsyncClient:
@@ -228,7 +230,7 @@ class AsyncClient:
             encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images,
             cache_hits=bt.cache_hits, route=bt.route,
         )  # fmt: skip
-        return GenerateResult(rid, "".join(sink.text), sink.ids, final.finish_reason, tim)
+        return GenerateResult(rid, "".join(sink.text), sink.ids, final.finish_reason, tim, final.prompt_tokens)
 
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
         """Yield deltas (`text`, `token_ids`) as tokens arrive; the last has `finish_reason`.
@@ -336,7 +338,7 @@ class AsyncClient:
                     last = now
                 if msg.finish_reason is not None:
                     done = True
-                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason, rid)
+                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason, rid, msg.prompt_tokens)
                 if done:
                     bt = msg.timings or P.Timings()
                     tim = Timings(

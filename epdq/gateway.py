@@ -124,6 +124,10 @@ def _finish(reason: str | None) -> str:
     return reason if reason in _FINISH else "stop"
 
 
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -282,7 +286,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "index": 0, "message": {"role": "assistant", "content": result.text},
                 "logprobs": None, "finish_reason": _finish(result.finish_reason),
             }],
-            "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
+            "usage": _usage(result.prompt_tokens, n),
         }  # fmt: skip
 
     async def _stream(request, client, messages, kw, rec, created, include_usage):
@@ -327,7 +331,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            n = 0
+            n = n_prompt = 0
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 item = first if got else await pending
@@ -341,14 +345,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     if item.text:
                         yield chunk({"content": item.text})
                     if item.finish_reason is not None:
+                        n_prompt = item.prompt_tokens
                         yield chunk({}, _finish(item.finish_reason))
                     item = await q.get()
                 if include_usage:
-                    yield chunk(
-                        {},
-                        usage={"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n},
-                        choices=False,
-                    )
+                    yield chunk({}, usage=_usage(n_prompt, n), choices=False)
                 yield "data: [DONE]\n\n"
             finally:  # also on client disconnect: Starlette cancels this generator
                 if pending is not None:

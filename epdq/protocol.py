@@ -19,7 +19,7 @@ import msgspec
 
 from epdq.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle
+PROTOCOL_VERSION = 3  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
@@ -133,6 +133,7 @@ class Tokens(_S):
     text: str
     finish_reason: str | None = None
     timings: Timings | None = None  # set by the broker on the final message only
+    prompt_tokens: int = 0  # final message: the prompt's length in the engine (images expanded)
 
 
 class Error(_S):

@@ -79,11 +79,13 @@ class SamplingSpec:
 
 @dataclass(slots=True)
 class Delta:
-    """A streamed chunk: may carry several tokens; `finish_reason` is set on the last one."""
+    """A streamed chunk: may carry several tokens; `finish_reason` is set on the last one, and so
+    is `prompt_tokens`: the prompt's length as the engine ran it (image placeholders expanded)."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

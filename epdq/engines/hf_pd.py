@@ -298,7 +298,7 @@ class HFPDEngine:
                 visible = text.rstrip(_REPLACEMENT_CHAR) if text.endswith(_REPLACEMENT_CHAR) else text
             new_text = visible[len(emitted) :] if visible.startswith(emitted) else ""
             emitted += new_text
-            yield Delta(token_ids=[token], text=new_text, finish_reason=reason)
+            yield Delta([token], new_text, reason, prompt_len if reason is not None else 0)
             if reason is not None:
                 return
             if request_id in self._aborted:

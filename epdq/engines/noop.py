@@ -118,17 +118,21 @@ class NoopPDEngine:
                 raise InvalidInputError("embedding rows do not match the grids")
             h.update(memoryview(image_embeds.contiguous().numpy()).cast("B"))
         state = int.from_bytes(h.digest(), "little")
+        # no tokenizer here: count the prompt's bytes, each image marker as its embedding rows
+        n_prompt = len(prompt.encode()) - n_images * len("<image>")
+        if image_embeds is not None:
+            n_prompt += image_embeds.shape[0]
         self._active.add(request_id)
         try:
             if self.prefill_s:
                 await asyncio.sleep(self.prefill_s)
-            async for d in self._tokens(request_id, state, sampling.max_tokens):
+            async for d in self._tokens(request_id, state, sampling.max_tokens, n_prompt):
                 yield d
         finally:
             self._active.discard(request_id)
             self._aborted.discard(request_id)
 
-    async def _tokens(self, request_id: str, state: int, n: int) -> AsyncIterator[Delta]:
+    async def _tokens(self, request_id: str, state: int, n: int, n_prompt: int) -> AsyncIterator[Delta]:
         for i in range(n):
             if request_id in self._aborted:
                 raise CancelledError("aborted", request_id=request_id)
@@ -139,7 +143,7 @@ class NoopPDEngine:
                 await asyncio.sleep(self.token_s)
             elif i % 16 == 15:
                 await asyncio.sleep(0)  # stay cancellable without a delay
-            yield Delta([token], f"<{token}>", "length" if last else None)
+            yield Delta([token], f"<{token}>", "length" if last else None, n_prompt if last else 0)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._active:

@@ -242,9 +242,8 @@ class VllmEngine:
                 if reason is not None and reason not in ("stop", "length"):
                     reason = "stop"  # e.g. "repetition": the model stopped on its own
                 if completion.token_ids or completion.text or reason is not None:
-                    yield Delta(
-                        token_ids=list(completion.token_ids), text=completion.text, finish_reason=reason
-                    )
+                    n_prompt = len(out.prompt_token_ids or ()) if reason is not None else 0
+                    yield Delta(list(completion.token_ids), completion.text, reason, n_prompt)
         except EngineDeadError as exc:
             self._dead = exc
             raise EngineError(f"vLLM engine core died: {exc}", request_id=request_id) from exc

@@ -250,7 +250,9 @@ class PDWorker:
                 self.link.send(P.Tokens(msg.request_id, list(d.token_ids), d.text))
         if final is None:
             raise EngineError("the engine stopped without a finish reason")
-        self.link.send(P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason))
+        self.link.send(
+            P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None, final.prompt_tokens)
+        )
         return n + len(final.token_ids), final.finish_reason
 
     async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor, P.EmbedRef | None]:

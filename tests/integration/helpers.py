@@ -47,17 +47,21 @@ def chat(n_images: int, text: str = "Describe the picture.") -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
-async def collect(engine, prompt: str, spec, rid: str | None = None, **kwargs) -> tuple[list[int], str, str | None]:
-    """Run one generate() to the end: (token ids, text, finish reason); bounded by a timeout."""
+async def collect(
+    engine, prompt: str, spec, rid: str | None = None, *, usage: bool = False, **kwargs
+) -> tuple[list[int], str, str | None] | tuple[list[int], str, str | None, int]:
+    """Run one generate() to the end: (token ids, text, finish reason[, prompt tokens when
+    `usage`]); bounded by a timeout. The last delta must carry the prompt's length."""
 
     async def run():
-        tokens, text, reason = [], "", None
+        tokens, text, reason, n_prompt = [], "", None, 0
         async for delta in engine.generate(rid or f"req-{next(_engine_ids)}", prompt, spec, **kwargs):
             assert reason is None, "no delta may follow the one carrying finish_reason"
             tokens += delta.token_ids
             text += delta.text
-            reason = delta.finish_reason
-        return tokens, text, reason
+            reason, n_prompt = delta.finish_reason, delta.prompt_tokens
+        assert reason is None or n_prompt > 0, "the last delta must carry prompt_tokens"
+        return (tokens, text, reason, n_prompt) if usage else (tokens, text, reason)
 
     return await asyncio.wait_for(run(), ENGINE_REQUEST_TIMEOUT_S)
 

@@ -158,6 +158,7 @@ def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
         assert {e["request_id"] for e in done} == {result["request_id"], upstream}
         for e in done:
             assert e["route"] == "epd" and e["tokens"] == len(result["token_ids"]) and e["images"] == 1
+            assert e["prompt_tokens"] > 0
             assert 0 < e["ttft_s"] <= e["total_s"] and e["worker"] == "pd-0"
     finally:
         if up.poll() is None:

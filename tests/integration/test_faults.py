@@ -64,6 +64,7 @@ async def test_too_many_images_is_a_typed_error(tmp_path):
     assert failed[refused.value.request_id]["code"] == "invalid_input" and failed[refused.value.request_id]["level"] == "info"
     (done,) = [e for e in events if e.get("event") == "request_done"]
     assert done["request_id"] == ok.request_id and done["images"] == 8 and done["tokens"] == 2
+    assert done["prompt_tokens"] == ok.prompt_tokens > 8 * 4  # eight 64x64 images of 4 rows each
     assert done["route"] == "epd" and done["worker"] == "pd-0" and done["total_s"] >= done["ttft_s"] > 0
 
 

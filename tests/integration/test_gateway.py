@@ -109,7 +109,9 @@ async def test_chat_completions_with_openai_client(tmp_path):
             assert roles == ["assistant"]
             assert streamed.count("<") == 5, streamed
             assert finishes == ["length"]
-            assert usage is not None and usage.completion_tokens == 5 and usage.total_tokens == 5
+            assert usage is not None and usage.completion_tokens == 5
+            # the noop engine counts prompt bytes, and the image as its 4 embedding rows (64x64 px)
+            assert usage.prompt_tokens > 4 and usage.total_tokens == usage.prompt_tokens + 5
 
             # non-streaming, same request: same (deterministic) output
             r = await oa.chat.completions.create(
@@ -120,6 +122,7 @@ async def test_chat_completions_with_openai_client(tmp_path):
             assert r.choices[0].message.content == streamed
             assert r.choices[0].finish_reason == "length"
             assert r.usage.completion_tokens == 5
+            assert (r.usage.prompt_tokens, r.usage.total_tokens) == (usage.prompt_tokens, usage.total_tokens)
 
             # text-only, string content, max_completion_tokens, stop as a string, seed
             r = await oa.chat.completions.create(

@@ -108,13 +108,13 @@ async def test_pd_equals_colocated_generate_and_vllm(hf, vllm_pd, encoder, n_ima
     assert prompt == both.render_prompt(chat(n_images)) == vllm_pd.render_prompt(chat(n_images))
     kwargs = embeds_for(encoder, images)
 
-    disaggregated = await collect(pd, prompt, SPEC, **kwargs)
-    colocated = await collect(both, prompt, SPEC, images=images or None)
+    disaggregated = await collect(pd, prompt, SPEC, usage=True, **kwargs)
+    colocated = await collect(both, prompt, SPEC, usage=True, images=images or None)
     assert len(disaggregated[0]) >= 8, "too few tokens for the comparison to mean anything"
-    assert disaggregated == colocated  # (a)
+    assert disaggregated == colocated  # (a), prompt lengths included
     reference = await asyncio.to_thread(model_generate, pd, prompt, kwargs, SPEC.max_tokens)
     assert disaggregated[0] == reference  # (b) transformers' own generate
-    assert await collect(vllm_pd, prompt, SPEC, **kwargs) == disaggregated  # (c)
+    assert await collect(vllm_pd, prompt, SPEC, usage=True, **kwargs) == disaggregated  # (c)
 
 
 async def test_other_image_changes_output(hf, encoder):

@@ -73,6 +73,19 @@ async def test_epd_is_token_identical_to_colocated(local_cluster, name, images):
     assert len(epd.token_ids) > 0
     assert epd.token_ids == colo.token_ids, f"{name}: E->PD {epd.token_ids} != colocated {colo.token_ids}"
     assert epd.text == colo.text and epd.finish_reason == colo.finish_reason
+    # usage: both engines saw prompts of the same length, image tokens expanded
+    assert epd.prompt_tokens == colo.prompt_tokens > 0
+
+
+async def test_prompt_tokens_count_each_image_row(local_cluster):
+    async with AsyncClient(local_cluster.address) as c:
+        text = await c.generate("Count me.", max_tokens=1, route="epd")
+        one = await c.generate("Count me.", images=[img(71)], max_tokens=1, route="epd")
+        two = await c.generate("Count me.", images=[img(71), img(72, SIZES[3])], max_tokens=1, route="epd")
+    # a 112x112 image is an 8x8 grid of 14-px patches merged 2x2: 16 embedding rows, wrapped in
+    # <|vision_start|> ... <|vision_end|>; 196x168 is 14x12 patches: 42 rows
+    assert one.prompt_tokens - text.prompt_tokens == 16 + 2
+    assert two.prompt_tokens - one.prompt_tokens == 42 + 2
 
 
 async def test_the_image_matters(local_cluster):
@@ -114,12 +127,14 @@ async def test_concurrent_duplicates_are_encoded_once(local_cluster):
 async def test_stream_matches_generate(local_cluster):
     async with AsyncClient(local_cluster.address) as c:
         full = await c.generate("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd")
-        ids, text, finish = [], [], None
+        ids, text, finish, n_prompt = [], [], None, 0
         async for d in c.stream("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd"):
             ids += d.token_ids
             text.append(d.text)
             finish = d.finish_reason or finish
+            n_prompt = d.prompt_tokens or n_prompt
     assert ids == full.token_ids and "".join(text) == full.text and finish == full.finish_reason
+    assert n_prompt == full.prompt_tokens > 0
     assert full.timings.ttft_s > 0 and full.timings.total_s >= full.timings.ttft_s
 
 
