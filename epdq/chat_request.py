@@ -1,5 +1,5 @@
-"""An OpenAI chat-completions request as the gateway takes it: the schema (pydantic, unknown
-fields ignored as OpenAI does), the resolution of its `image_url` parts into image bytes (data:
+"""An OpenAI chat-completions request as the gateway takes it: the schema (pydantic; unknown
+fields ignored, OpenAI parameters that epdq cannot honour refused), the resolution of its `image_url` parts into image bytes (data:
 URLs always; local files only under `allow_dir`; http(s) only when enabled, size-capped), its
 translation into epdq messages and sampling arguments, and the mapping of epdq's typed errors to
 HTTP statuses with OpenAI-style bodies."""
@@ -11,11 +11,11 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import unquote, urlparse
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from epdq.errors import (
     BrokerUnavailableError,
@@ -54,7 +54,7 @@ class ImagePart(_Model):
 
 class ChatMessageIn(_Model):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
 
 
@@ -74,6 +74,67 @@ class ChatCompletionRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
+    # OpenAI parameters that would change the answer and that epdq does not implement: declared
+    # so that a request using them is refused (see `unsupported`) instead of silently served
+    # without them; the rest of OpenAI's unknown fields (user, metadata, store, ...) are ignored.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+
+
+def unsupported(req: ChatCompletionRequest) -> str | None:
+    """The first parameter set to something epdq cannot honour, or None."""
+    if req.n not in (None, 1):
+        return "n (only n=1 is supported)"
+    if req.logprobs or req.top_logprobs:
+        return "logprobs"
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            return name
+    for name in ("logit_bias", "tools", "functions", "prediction"):
+        if getattr(req, name):
+            return name
+    if req.tool_choice not in (None, "none"):
+        return "tool_choice"
+    if req.function_call not in (None, "none"):
+        return "function_call"
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        return "response_format"
+    if req.modalities and set(req.modalities) != {"text"}:
+        return "modalities (text only)"
+    return None
+
+
+def parse_request(raw: bytes) -> ChatCompletionRequest:
+    """Validate a request body: a 400 naming the first problem (the deepest location of a
+    failed union, where pydantic reports every alternative)."""
+    try:
+        req = ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        if not errors:
+            raise bad_request("invalid request") from None
+        first = max(errors, key=lambda err: len(err.get("loc", ())))
+        where = ".".join(str(x) for x in first.get("loc", ()) if not _union_branch(x))
+        raise bad_request(f"invalid request: {where}: {first.get('msg', 'invalid')}") from None
+    bad = unsupported(req)
+    if bad is not None:
+        raise bad_request(f"{bad} is not supported by this server", "unsupported_parameter")
+    return req
+
+
+def _union_branch(loc: Any) -> bool:
+    # pydantic names a union's alternatives in `loc` ("str", "list[...]", "function-after[...]")
+    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "none") or "[" in loc)
 
 
 # ---------------------------------------------------------------- errors
@@ -210,8 +271,6 @@ async def to_epdq_messages(req: ChatCompletionRequest, cfg: GatewayConfig) -> li
 
 
 def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str, Any]:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported")
     max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
     kw: dict[str, Any] = {
         "max_tokens": max_tokens,

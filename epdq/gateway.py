@@ -25,16 +25,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
 
-from epdq.chat_request import (
-    ChatCompletionRequest,
-    HTTPError,
-    bad_request,
-    http_error,
-    sampling_kwargs,
-    to_epdq_messages,
-)
+from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.errors import BrokerUnavailableError, EpdqError
 from epdq.metrics import GatewayMetrics
 
@@ -250,12 +242,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def _chat(request: Request, rec: _Record):
         raw = await _read_body(request, config.max_body_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate_json(raw)
-        except ValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            raise bad_request(f"invalid request: {where}: {first.get('msg', 'invalid')}") from None
+        req = parse_request(raw)
         if req.model != config.model_name:
             raise HTTPError(404, f"model {req.model!r} not found", "invalid_request_error", "model_not_found")
         kw = sampling_kwargs(req, config)

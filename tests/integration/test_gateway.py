@@ -198,16 +198,41 @@ async def test_chat_completions_with_openai_client(tmp_path):
             big = b'{"model": "' + b"x" * (2 * 2**20) + b'"}'
             async with http.post(f"{base}/v1/chat/completions", data=io.BytesIO(big)) as resp:
                 assert resp.status == 413
-            # unknown fields are ignored
+            # unknown fields are ignored, and so are OpenAI parameters at their neutral values
             payload = {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
                 "max_tokens": 2,
                 "logit_bias": {},
                 "user": "u",
+                "logprobs": False,
+                "frequency_penalty": 0,
+                "presence_penalty": 0.0,
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+                "modalities": ["text"],
             }
             async with http.post(f"{base}/v1/chat/completions", json=payload) as resp:
                 assert resp.status == 200, await resp.text()
+            # parameters that would change the answer are refused, not silently dropped
+            for extra, named in [
+                ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                ({"logit_bias": {"42": 5}}, "logit_bias"),
+                ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                ({"response_format": {"type": "json_object"}}, "response_format"),
+                ({"n": 2}, "n "),
+            ]:
+                async with http.post(f"{base}/v1/chat/completions", json={**payload, **extra}) as resp:
+                    assert resp.status == 400, extra
+                    err = (await resp.json())["error"]
+                    assert err["code"] == "unsupported_parameter" and err["message"].startswith(named), err
+            # an unknown content part is named as such (not "content: should be a string")
+            audio = {**payload, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
+            async with http.post(f"{base}/v1/chat/completions", json=audio) as resp:
+                assert resp.status == 400
+                msg = (await resp.json())["error"]["message"]
+                assert "input_audio" in msg and "messages.0.content.0" in msg, msg
 
             # the gateway's own metrics saw all of the above
             async with http.get(f"{base}/metrics") as resp:
