@@ -13,7 +13,7 @@ size is capped, and the number of payload frames must be what the header declare
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -133,7 +133,8 @@ class Tokens(_S):
     text: str
     finish_reason: str | None = None
     timings: Timings | None = None  # set by the broker on the final message only
-    prompt_tokens: int = 0  # final message: the prompt's length in the engine (images expanded)
+    # final message: the prompt's length in the engine (images expanded)
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
 
 
 class Error(_S):

@@ -51,6 +51,8 @@ def test_type_frame_is_one_byte_and_payload_is_out_of_band():
         ([bytes([P.MsgType.CANCEL]), msgspec.msgpack.encode(["r", "extra"])], "bad CANCEL"),
         (P.encode(_submit(2)) + [b"one"], "declares 2 payload frames, got 1"),
         (P.encode(P.Cancel("r")) + [b"unexpected"], "declares 0"),
+        ([bytes([P.MsgType.TOKENS]), msgspec.msgpack.encode(["r", [1], "a", "stop", None, -1])], "bad TOKENS"),
+        ([bytes([P.MsgType.TOKENS]), msgspec.msgpack.encode(["r", [1], "a", "stop", None, 2**40])], "bad TOKENS"),
     ],
 )
 def test_malformed_frames_raise_protocol_error(frames, match):
