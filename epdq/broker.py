@@ -252,6 +252,8 @@ class Broker:
             raise InvalidInputError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}]")
         if not (0.0 <= s.temperature <= 2.0 and 0.0 < s.top_p <= 1.0):
             raise InvalidInputError("temperature must be in [0, 2] and top_p in (0, 1]")
+        if s.seed is not None and not P.SEED_MIN <= s.seed <= P.SEED_MAX:
+            raise InvalidInputError("seed must be a 64-bit signed integer")
         if len(s.stop) > 16 or any(not 0 < len(x) <= 256 for x in s.stop):
             raise InvalidInputError("at most 16 stop strings of 1..256 characters")
         if msg.timeout_s < 0:

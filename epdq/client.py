@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import math
 import os
 import time
 import uuid
@@ -282,21 +283,27 @@ class AsyncClient:
         timeout: float | None = None,
         route: str = "auto",
     ) -> tuple[str, list[Any], bool, float]:
-        """Validate arguments; (request id, SUBMIT frames, copy flag, timeout)."""
+        """Validate arguments; (request id, SUBMIT frames, copy flag, timeout).
+
+        Types are checked here, so that nothing the broker would drop as a malformed message
+        (leaving the caller to wait for its deadline) is sent; value ranges are the broker's."""
         chat, blobs = build_messages(prompt, images, messages)
         if len(blobs) > P.MAX_PAYLOAD_FRAMES:
             raise InvalidInputError(f"{len(blobs)} images; the protocol carries at most {P.MAX_PAYLOAD_FRAMES}")
-        timeout = self.timeout if timeout is None else float(timeout)
-        if timeout <= 0:
+        try:
+            P.validate_messages(chat, len(blobs))
+        except ProtocolError as e:
+            raise InvalidInputError(e.message) from None
+        if timeout is None:
+            timeout = self.timeout
+        elif not _is_number(timeout):
+            raise InvalidInputError("timeout must be a number of seconds")
+        if not timeout > 0:
             raise InvalidInputError("timeout must be > 0")
-        if isinstance(stop, str):
-            stop = [stop]
-        sampling = P.Sampling(
-            int(max_tokens), float(temperature), float(top_p), seed, list(stop or ()), bool(ignore_eos)
-        )
+        sampling = _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos)
         rid = f"{self._rid_prefix}{next(self._rids):x}"
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
-        return rid, P.encode(sub) + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, timeout
+        return rid, P.encode(sub) + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, float(timeout)
 
     async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()
@@ -431,23 +438,53 @@ def build_messages(
     return [P.ChatMessage("user", parts)], blobs
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: Any, ignore_eos: Any) -> P.Sampling:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InvalidInputError(f"max_tokens must be an integer, not {max_tokens!r:.40}")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if not _is_number(v):
+            raise InvalidInputError(f"{name} must be a finite number, not {v!r:.40}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not P.SEED_MIN <= seed <= P.SEED_MAX):
+        raise InvalidInputError(f"seed must be a 64-bit signed integer or None, not {seed!r:.40}")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is None:
+        stop = []
+    elif not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise InvalidInputError("stop must be a string or a list of strings")
+    if not isinstance(ignore_eos, bool):
+        raise InvalidInputError("ignore_eos must be True or False")
+    return P.Sampling(max_tokens, float(temperature), float(top_p), seed, list(stop), ignore_eos)
+
+
 def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[bytes]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("messages must be a non-empty list")
     out: list[P.ChatMessage] = []
     blobs: list[bytes] = []
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise InvalidInputError("each message needs a role and content")
-        content = m.get("content", "")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidInputError("each message needs a role (a string) and content")
+        content = m.get("content")
+        if content is None:
+            content = ""  # as OpenAI allows for an assistant turn
         if isinstance(content, str):
-            out.append(P.ChatMessage(str(m["role"]), [P.Part("text", content)]))
+            out.append(P.ChatMessage(m["role"], [P.Part("text", content)]))
             continue
+        if not isinstance(content, (list, tuple)):
+            raise InvalidInputError("message content must be a string or a list of content parts")
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                parts.append(P.Part("text", str(part.get("text", ""))))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise InvalidInputError("a text part's text must be a string")
+                parts.append(P.Part("text", text))
             elif kind == "image":
                 blobs.append(load_image_bytes(part.get("image")))
                 parts.append(P.Part("image"))
@@ -458,7 +495,7 @@ def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[b
                 parts.append(P.Part("image"))
             else:
                 raise InvalidInputError(f"unsupported content part type {kind!r}")
-        out.append(P.ChatMessage(str(m["role"]), parts))
+        out.append(P.ChatMessage(m["role"], parts))
     return out, blobs
 
 

@@ -79,6 +79,9 @@ class ChatMessage(_S):
     parts: list[Part]
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a 64-bit signed integer (as vLLM's API takes it)
+
+
 class Sampling(_S):
     max_tokens: int = 16
     temperature: float = 0.0
