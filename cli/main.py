@@ -166,6 +166,9 @@ def up(
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as e:  # a child that failed to start or died: its log lines say why
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

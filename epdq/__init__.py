@@ -4,6 +4,7 @@ from epdq.errors import (
     BrokerUnavailableError,
     BusyError,
     CancelledError,
+    ConfigError,
     DeadlineExceededError,
     EngineError,
     EpdqError,
@@ -29,5 +30,6 @@ def __getattr__(name: str):
 
 __all__ = [
     *_CLIENT_NAMES, "EpdqError", "BusyError", "InvalidInputError", "DeadlineExceededError", "WorkerLostError",
-    "BrokerUnavailableError", "CancelledError", "EngineError", "ProtocolError", "InternalError", "__version__",
+    "BrokerUnavailableError", "CancelledError", "EngineError", "ProtocolError", "ConfigError", "InternalError",
+    "__version__",
 ]  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from epdq import protocol as P
-from epdq.errors import EpdqError, InvalidInputError, ProtocolError
+from epdq.errors import ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
 from epdq.media import image_key, sniff_format
@@ -132,20 +132,25 @@ class Broker:
         if self.channel is None:
             self.bind()
         assert self.channel is not None
-        self.channel.start()
-        log.info("broker listening on %s", self.endpoint)
-        if ready is not None:
-            ready.set()
-        timer = asyncio.create_task(self._tick())
-        if self.cfg.metrics_address:
-            host, _, port = self.cfg.metrics_address.rpartition(":")
-            self._metrics = MetricsServer(self.render_metrics, lambda: bool(self.scheduler.workers))
-            bound = await self._metrics.start(host or "127.0.0.1", int(port))
-            log.info("metrics on http://%s:%d/metrics", host or "127.0.0.1", bound)
+        timer = None
         try:
+            if self.cfg.metrics_address:  # before anyone is told we are ready: it can fail
+                host, _, port = self.cfg.metrics_address.rpartition(":")
+                self._metrics = MetricsServer(self.render_metrics, lambda: bool(self.scheduler.workers))
+                try:
+                    bound = await self._metrics.start(host or "127.0.0.1", int(port))
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"cannot serve metrics on {self.cfg.metrics_address}: {e}") from None
+                log.info("metrics on http://%s:%d/metrics", host or "127.0.0.1", bound)
+            self.channel.start()
+            log.info("broker listening on %s", self.endpoint)
+            if ready is not None:
+                ready.set()
+            timer = asyncio.create_task(self._tick())
             await self._stop.wait()
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             if self._metrics is not None:
                 self._metrics.close()
             for peer in list(self.workers.values()):

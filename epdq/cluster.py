@@ -71,6 +71,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    log_offset: int = 0  # where this child's lines start in log_path
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -101,6 +102,7 @@ class Cluster:
         assert self.log_dir is not None
         path = self.log_dir / f"{name}.log"
         out = open(path, "ab")  # noqa: SIM115 - the child owns it
+        offset = out.tell()  # a restarted child appends to its predecessor's log
         cmd = [
             sys.executable,
             "-m",
@@ -114,7 +116,7 @@ class Cluster:
             preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
         out.close()
-        child = Child(name, proc, path)
+        child = Child(name, proc, path, offset)
         self.children.append(child)
         return child
 
@@ -144,13 +146,14 @@ class Cluster:
             bcfg = dataclasses.replace(bcfg, metrics_address=self.spec.metrics)
         self._broker_cfg = bcfg
         say(f"starting broker on {self.address}")
-        self._spawn("broker", "broker", bcfg)
+        broker = self._spawn("broker", "broker", bcfg)
         want = {"encoder": self.spec.encoders, "pd": self.spec.pds, "both": self.spec.both}
         if self.spec.model == "" and self.spec.worker_defaults.get("engine", "auto") == "auto":
             from epdq.models.tiny import default_model_dir
 
             say("preparing the embedded tiny model")
             await asyncio.to_thread(default_model_dir)  # build once, before workers race for it
+        await self._wait_listening(broker)
         for name, wcfg in self.worker_configs():
             say(f"starting {name}")
             self._spawn(name, "worker", wcfg)
@@ -193,6 +196,23 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway not healthy after {self.spec.start_timeout_s}s; logs in {self.log_dir}")
             await asyncio.sleep(0.2)
+
+    async def _wait_listening(self, broker: Child) -> None:
+        """Until OUR broker says it listens. Until then a client (and a worker) at its address
+        could be talking to another broker already there, which ours then fails to displace."""
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while True:
+            self.check_alive()
+            try:
+                with open(broker.log_path, "rb") as f:
+                    f.seek(broker.log_offset)
+                    if b"broker listening on" in f.read():
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"broker not listening after {self.spec.start_timeout_s}s; logs in {self.log_dir}")
+            await asyncio.sleep(0.05)
 
     async def wait_ready(self, want: dict[str, int], say=lambda _m: None) -> dict:
         deadline = time.monotonic() + self.spec.start_timeout_s

@@ -89,6 +89,13 @@ class RingFullError(EpdqError):
     code = "ring_full"
 
 
+class ConfigError(EpdqError):
+    """A setting this process was started with cannot work here (an address already in use, a
+    model directory that is not a checkpoint)."""
+
+    code = "config"
+
+
 class InternalError(EpdqError):
     """An unexpected failure inside epdq (a bug); the message says where."""
 
@@ -108,6 +115,7 @@ _BY_CODE: dict[str, type[EpdqError]] = {
         ProtocolError,
         StaleEmbeddingError,
         RingFullError,
+        ConfigError,
         InternalError,
     )
 }

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
 import sys
 
 import msgspec
 
+from epdq.errors import EpdqError
 from epdq.logs import setup_logging
 
 
@@ -40,9 +42,11 @@ async def serve_broker(cfg) -> None:
     stop = asyncio.Event()
     _install_stop(stop)
     task = asyncio.create_task(broker.serve())
-    await stop.wait()
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
     broker.stop()
-    await task
+    await task  # raises what ended it early (a metrics address in use)
 
 
 async def serve_worker(cfg) -> None:
@@ -69,23 +73,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_format = argv[2] if len(argv) == 3 else "text"
     setup_logging("info", log_format)
-    if argv[0] == "gateway":
+    try:
+        _serve(argv[0], argv[1], log_format)
+    except EpdqError as e:  # a setting that cannot work here (address in use): one line, no traceback
+        logging.getLogger("epdq.launch").error("%s cannot start: %s (%s)", argv[0], e.message, e.code)
+        return 2
+    return 0
+
+
+def _serve(kind: str, config_json: str, log_format: str) -> None:
+    if kind == "gateway":
         import dataclasses
 
         from epdq.gateway import GatewayConfig
         from epdq.gateway import run as run_gateway
 
-        cfg = msgspec.json.decode(argv[1], type=GatewayConfig)
+        cfg = msgspec.json.decode(config_json, type=GatewayConfig)
         run_gateway(dataclasses.replace(cfg, log_format=log_format))  # uvicorn handles SIGTERM/SIGINT
-    elif argv[0] == "broker":
+    elif kind == "broker":
         from epdq.broker import BrokerConfig
 
-        run(serve_broker(msgspec.json.decode(argv[1], type=BrokerConfig)))
+        run(serve_broker(msgspec.json.decode(config_json, type=BrokerConfig)))
     else:
         from epdq.worker.runner import WorkerConfig
 
-        run(serve_worker(msgspec.json.decode(argv[1], type=WorkerConfig)))
-    return 0
+        run(serve_worker(msgspec.json.decode(config_json, type=WorkerConfig)))
 
 
 if __name__ == "__main__":

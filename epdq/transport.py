@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from epdq.errors import ProtocolError
+from epdq.errors import ConfigError, ProtocolError
 from epdq.protocol import BATCH_TYPE, pack_batch, split_batch
 from epdq.security import SecurityConfig, apply_client, apply_server, curve_required, ensure_authenticator
 
@@ -79,7 +80,10 @@ def make_socket(
                 apply_client(sock, security.client(server_public))
         if bind is not None:
             _prepare_ipc(bind)
-            sock.bind(bind)
+            try:
+                sock.bind(bind)
+            except zmq.ZMQError as e:  # in use, no such interface: the operator's to fix
+                raise ConfigError(f"cannot listen on {bind}: {e.strerror}") from None
             if bind.startswith("ipc://") and not bind.startswith("ipc://@"):  # @ = abstract namespace
                 os.chmod(bind[len("ipc://") :], 0o600)
         if connect is not None:
@@ -99,6 +103,18 @@ def _prepare_ipc(address: str) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, mode=0o700, exist_ok=True)
+    # ZeroMQ binds an ipc path by unlinking whatever is there: a second broker would silently take
+    # the first one's endpoint. A path someone still accepts connections on is refused instead.
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            return  # a stale file (its process is gone), or not a socket: ZeroMQ replaces it
+        finally:
+            probe.close()
+        raise ConfigError(f"cannot listen on {address}: another process is listening there")
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epdq import protocol as P
+from epdq.errors import ConfigError
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
@@ -86,7 +87,9 @@ class WorkerConfig:
 def resolve_model(model: str) -> str:
     if model:
         if not os.path.isdir(model):
-            raise ValueError(f"model directory {model!r} does not exist")
+            raise ConfigError(f"model directory {model!r} does not exist")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ConfigError(f"{model!r} has no config.json: not a Hugging Face checkpoint directory")
         return model
     from epdq.models.tiny import default_model_dir
 

@@ -179,3 +179,61 @@ def test_unwritable_paths_and_bad_bench_flags_are_one_line_errors(argv, message)
     r = subprocess.run([*EPDQ, *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode in (1, 2) and message in r.stderr
     assert "Traceback" not in r.stderr and "│" not in r.stderr  # no (rich) traceback
+
+
+def test_start_up_problems_are_one_line_errors(tmp_path):
+    """An address someone else listens on, or a model directory that is not a checkpoint: one
+    line and a non-zero exit, from `broker`, `worker` and `up` alike; `up` never attaches to
+    the other broker it finds at its address."""
+    (tmp_path / "not-a-model").mkdir()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    tcp = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+    ipc_path = tmp_path / "sock" / "broker.sock"
+    ipc_path.parent.mkdir(mode=0o700)
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(ipc_path))
+    other.listen()
+    stale = tmp_path / "sock" / "stale.sock"
+    gone = socket.socket(socket.AF_UNIX)
+    gone.bind(str(stale))
+    gone.close()  # the file stays, nobody listens: a broker may take it over
+    try:
+        cases = [
+            (["broker", "--address", tcp, "--insecure"], "error (config): cannot listen on " + tcp),
+            (["broker", "--address", f"ipc://{ipc_path}"], "another process is listening there"),
+            (["broker", "--address", "tcp://127.0.0.1:0", "--insecure", "--metrics", busy.getsockname()[0]
+              + f":{busy.getsockname()[1]}"], "error (config): cannot serve metrics on"),  # fmt: skip
+            (["worker", "--role", "pd", "--model", str(tmp_path / "nope")], "error (config): model directory"),
+            (["worker", "--role", "pd", "--model", str(tmp_path / "not-a-model")], "has no config.json"),
+            (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
+              "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
+        ]
+        for argv, message in cases:
+            r = subprocess.run([*EPDQ, *argv], capture_output=True, text=True, timeout=120)
+            assert r.returncode in (1, 2) and message in r.stderr, (argv, r.returncode, r.stderr[-2000:])
+            assert "Traceback" not in r.stderr and "│" not in r.stderr, argv
+            if argv[0] == "up":
+                assert "registered workers" not in r.stdout and "epdq is up" not in r.stdout
+        # a stale socket file is no obstacle
+        broker = subprocess.Popen([*EPDQ, "broker", "--address", f"ipc://{stale}"], stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while broker.poll() is None and time.monotonic() < deadline:
+                probe = socket.socket(socket.AF_UNIX)
+                try:
+                    probe.connect(str(stale))
+                    break
+                except OSError:
+                    time.sleep(0.1)
+                finally:
+                    probe.close()
+            assert broker.poll() is None, broker.stderr.read()
+        finally:
+            broker.terminate()
+            broker.wait(30)
+            broker.stderr.close()
+    finally:
+        busy.close()
+        other.close()
