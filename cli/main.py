@@ -276,7 +276,10 @@ def serve_http(
     port: int = typer.Option(8000),
     model_name: str = typer.Option("epdq", help="Model id advertised by /v1/models."),
     allow_dir: str = typer.Option("", help="Serve local image files under this directory (off when empty)."),
-    allow_remote_urls: bool = typer.Option(False, help="Fetch http(s) image URLs (no SSRF filtering)."),
+    allow_remote_urls: bool = typer.Option(False, help="Fetch http(s) image URLs (public addresses only)."),
+    allow_private_urls: bool = typer.Option(
+        False, help="With --allow-remote-urls: also from loopback, private and link-local addresses."
+    ),
     max_body_mb: float = typer.Option(32.0),
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
@@ -289,7 +292,7 @@ def serve_http(
     try:
         cfg = GatewayConfig(
             broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
-            allow_remote_urls=allow_remote_urls, max_body_bytes=int(max_body_mb * 2**20),
+            allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20),
             request_timeout_s=timeout, keys_dir=keys_dir, insecure=insecure, log_format=log_format,
         )  # fmt: skip
     except ValueError as e:

@@ -7,6 +7,7 @@ HTTP statuses with OpenAI-style bodies."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import os
 import stat
@@ -212,25 +213,93 @@ def read_local_image(ref: str, allow_dir: str, max_bytes: int) -> bytes:
     return data
 
 
-async def fetch_remote_image(url: str, cfg: GatewayConfig) -> bytes:
-    """Download an http(s) image with a size cap and a timeout (only when remote URLs are enabled)."""
-    import aiohttp
+_REDIRECTS = (301, 302, 303, 307, 308)
+MAX_REDIRECTS = 3
 
-    timeout = aiohttp.ClientTimeout(total=cfg.remote_timeout_s)
+
+class _PrivateAddress(OSError):
+    """A remote image URL whose host is (or resolves to) a non-public address."""
+
+
+def _check_public(host: str, ip_text: str) -> None:
+    ip = ipaddress.ip_address(ip_text.split("%", 1)[0])  # drop an IPv6 zone
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if not (mapped or ip).is_global:
+        raise _PrivateAddress(f"{host} is {ip_text}, not a public address")
+
+
+def _public_resolver() -> Any:
+    """An aiohttp resolver that refuses hosts resolving to loopback, private, link-local (cloud
+    metadata), shared or reserved addresses. The check is on the addresses the connection then
+    uses, so a name that resolves differently the second time (DNS rebinding) cannot slip by."""
+    import aiohttp
+    from aiohttp.abc import AbstractResolver
+
+    class PublicOnly(AbstractResolver):
+        def __init__(self) -> None:
+            self._inner = aiohttp.ThreadedResolver()
+
+        async def resolve(self, host: str, port: int = 0, family: int = 0) -> list:
+            infos = await self._inner.resolve(host, port, family)
+            for info in infos:
+                _check_public(host, info["host"])
+            return infos
+
+        async def close(self) -> None:
+            await self._inner.close()
+
+    return PublicOnly()
+
+
+async def fetch_remote_image(url: str, cfg: GatewayConfig) -> bytes:
+    """Download an http(s) image with a size cap and a timeout (only when remote URLs are
+    enabled). Unless `allow_private_urls`, every host on the way (redirects included, followed
+    here one by one) must be a public address: a client must not make the gateway reach the
+    services beside it (SSRF)."""
+    import aiohttp
+    from yarl import URL
+
+    connector = aiohttp.TCPConnector(resolver=None if cfg.allow_private_urls else _public_resolver())
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url, max_redirects=3) as r:
-            if r.status != 200:
-                raise bad_request(f"fetching the image URL gave HTTP {r.status}")
-            if (r.content_length or 0) > cfg.max_image_bytes:
-                raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
-            buf = bytearray()
-            async for chunk in r.content.iter_chunked(64 * 1024):
-                buf += chunk
-                if len(buf) > cfg.max_image_bytes:
-                    raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
-            return bytes(buf)
-    except (aiohttp.ClientError, TimeoutError) as e:
+        async with asyncio.timeout(cfg.remote_timeout_s), aiohttp.ClientSession(connector=connector) as s:
+            target = URL(url)
+            for _ in range(MAX_REDIRECTS + 1):
+                if target.scheme not in ("http", "https") or not target.host:
+                    raise bad_request("image URLs must be http(s) URLs with a host")
+                host = target.host.strip("[]")
+                if not cfg.allow_private_urls and _is_ip(host):
+                    _check_public(host, host)  # literal addresses never reach the resolver
+                async with s.get(target, allow_redirects=False) as r:
+                    if r.status in _REDIRECTS and "Location" in r.headers:
+                        target = r.url.join(URL(r.headers["Location"]))
+                        continue
+                    if r.status != 200:
+                        raise bad_request(f"fetching the image URL gave HTTP {r.status}")
+                    if (r.content_length or 0) > cfg.max_image_bytes:
+                        raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
+                    buf = bytearray()
+                    async for chunk in r.content.iter_chunked(64 * 1024):
+                        buf += chunk
+                        if len(buf) > cfg.max_image_bytes:
+                            raise bad_request(f"remote image is larger than {cfg.max_image_bytes} bytes")
+                    return bytes(buf)
+            raise bad_request(f"the image URL redirected more than {MAX_REDIRECTS} times")
+    except _PrivateAddress as e:
+        raise bad_request(f"image URL refused: {e}", "url_not_allowed") from None
+    except aiohttp.ClientConnectorError as e:
+        if isinstance(e.os_error, _PrivateAddress):
+            raise bad_request(f"image URL refused: {e.os_error}", "url_not_allowed") from None
         raise bad_request(f"could not fetch the image URL: {type(e).__name__}") from None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        raise bad_request(f"could not fetch the image URL: {type(e).__name__}") from None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 async def _image_part(url: str, cfg: GatewayConfig) -> dict:

@@ -41,6 +41,7 @@ class GatewayConfig:
     model_name: str = "epdq"  # advertised by /v1/models; requests must name it
     allow_dir: str | None = None  # local image files are readable only under this directory
     allow_remote_urls: bool = False  # http(s) image URLs (fetched by the gateway) when True
+    allow_private_urls: bool = False  # ... also from loopback, private and link-local addresses
     max_body_bytes: int = 32 * 2**20
     max_image_bytes: int = 20 * 2**20  # local files and remote downloads
     request_timeout_s: float = 120.0  # the deadline handed to the broker per request

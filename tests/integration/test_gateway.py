@@ -325,3 +325,62 @@ def test_error_mapping():
     assert http_error(WorkerLostError("lost")).status == 502
     assert http_error(EngineError("boom")).status == 500
     assert http_error(RuntimeError("x")).status == 500
+
+
+@contextlib.asynccontextmanager
+async def image_server(png: bytes):
+    """An HTTP server on 127.0.0.1 with /cat.png, /hop/N (redirects N times, then to cat.png)."""
+    from aiohttp import web
+
+    async def cat(_request):
+        return web.Response(body=png, content_type="image/png")
+
+    async def hop(request):
+        n = int(request.match_info["n"])
+        raise web.HTTPFound("/cat.png" if n <= 1 else f"/hop/{n - 1}")
+
+    app = web.Application()
+    app.router.add_get("/cat.png", cat)
+    app.router.add_get("/hop/{n}", hop)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def test_remote_image_urls_reach_public_addresses_only(tmp_path):
+    """--allow-remote-urls must not let a client make the gateway fetch from the services beside
+    it (loopback, private networks, cloud metadata) unless --allow-private-urls says so."""
+    png = demo_image(5, (64, 64))
+    async with Cluster(noop_spec(tmp_path)) as cluster, image_server(png) as port:
+        async with gateway(cluster.address, allow_remote_urls=True) as base, aiohttp.ClientSession() as http:
+            for url in [f"http://127.0.0.1:{port}/cat.png", f"http://localhost:{port}/cat.png",
+                        f"http://[::ffff:127.0.0.1]:{port}/cat.png", "http://169.254.169.254/latest/meta-data/",
+                        "http://10.1.2.3/x.png"]:  # fmt: skip
+                body = {"model": MODEL, "messages": image_message(url), "max_tokens": 2}
+                async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    err = (await resp.json())["error"]
+                    assert resp.status == 400 and err["code"] == "url_not_allowed", (url, err)
+                    assert "not a public address" in err["message"]
+        async with gateway(cluster.address, allow_remote_urls=True, allow_private_urls=True) as base:
+            oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+            try:
+                direct = await oa.chat.completions.create(
+                    model=MODEL, messages=image_message(f"http://localhost:{port}/cat.png"), max_tokens=4
+                )
+                inline = await oa.chat.completions.create(model=MODEL, messages=image_message(data_url(png)), max_tokens=4)
+                assert direct.choices[0].message.content == inline.choices[0].message.content  # same image
+                hops = await oa.chat.completions.create(
+                    model=MODEL, messages=image_message(f"http://127.0.0.1:{port}/hop/3"), max_tokens=4
+                )
+                assert hops.choices[0].message.content == inline.choices[0].message.content
+                with pytest.raises(openai.BadRequestError, match="redirected more than 3 times"):
+                    await oa.chat.completions.create(
+                        model=MODEL, messages=image_message(f"http://127.0.0.1:{port}/hop/4"), max_tokens=4
+                    )
+            finally:
+                await oa.close()
