@@ -77,6 +77,7 @@ class _Record:
     code: int = 500
     images: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
     first_s: float | None = None  # first token, seconds after t0
     last_s: float | None = None
     upstream_id: str = ""
@@ -99,17 +100,20 @@ def _finish_record(rec: _Record, metrics: GatewayMetrics) -> None:
     e2e = time.perf_counter() - rec.t0
     tpot = (rec.last_s - rec.first_s) / (rec.tokens - 1) if rec.tokens > 1 and rec.first_s is not None else None
     metrics.in_flight -= 1
-    metrics.finished(rec.code, rec.stream, tokens=rec.tokens, images=rec.images, ttft_s=rec.first_s,
-                     tpot_s=tpot, e2e_s=e2e)  # fmt: skip
+    metrics.finished(rec.code, rec.stream, tokens=rec.tokens, prompt_tokens=rec.prompt_tokens, images=rec.images,
+                     ttft_s=rec.first_s, tpot_s=tpot, e2e_s=e2e)  # fmt: skip
     ttft = f"{rec.first_s:.3f}" if rec.first_s is not None else "-"
     log.info(
-        "request %s %d %s images=%d tokens=%d ttft_s=%s total_s=%.3f%s%s", rec.request_id, rec.code,
-        "stream" if rec.stream else "unary", rec.images, rec.tokens, ttft, e2e,
+        "request %s %d %s images=%d prompt_tokens=%d tokens=%d ttft_s=%s total_s=%.3f%s%s", rec.request_id,
+        rec.code, "stream" if rec.stream else "unary", rec.images, rec.prompt_tokens, rec.tokens, ttft, e2e,
         f" upstream={rec.upstream_id}" if rec.upstream_id else "", f" error={rec.error!r}" if rec.error else "",
         extra={"request_id": rec.request_id, "event": "request_done", "status": rec.code,
-               "upstream_request_id": rec.upstream_id or None, "tokens": rec.tokens, "images": rec.images,
-               "ttft_s": rec.first_s, "total_s": round(e2e, 6)},
+               "upstream_request_id": rec.upstream_id or None, "tokens": rec.tokens,
+               "prompt_tokens": rec.prompt_tokens, "images": rec.images, "ttft_s": rec.first_s,
+               "total_s": round(e2e, 6)},
     )  # fmt: skip
+
+
 _FINISH = {"stop", "length", "content_filter", "tool_calls"}
 
 
@@ -267,6 +271,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         n = len(result.token_ids)
         rec.upstream_id = result.request_id
         rec.tokens, rec.first_s = n, result.timings.ttft_s if n else None
+        rec.prompt_tokens = result.prompt_tokens
         rec.last_s = rec.first_s + result.timings.tpot_s * (n - 1) if n else None
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
@@ -286,6 +291,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 async for d in client.stream(messages=messages, **kw):  # leaving it cancels upstream
                     rec.upstream_id = d.request_id
                     rec.token(len(d.token_ids))
+                    if d.finish_reason is not None:
+                        rec.prompt_tokens = d.prompt_tokens
                     q.put_nowait(d)
                 q.put_nowait(_END)
             except Exception as e:  # noqa: BLE001 - handed to the consumer

@@ -110,17 +110,19 @@ class GatewayMetrics:
         self.requests: dict[tuple[str, str], int] = {}  # (status code, "stream"|"unary") -> count
         self.in_flight = 0
         self.completion_tokens = 0
+        self.prompt_tokens = 0
         self.images = 0
         self.ttft = Histogram("epdq_gateway_ttft_seconds", "request received -> first token sent")
         self.tpot = Histogram("epdq_gateway_tpot_seconds", "mean time per output token after the first",
                               (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))  # fmt: skip
         self.e2e = Histogram("epdq_gateway_request_seconds", "request received -> response finished")
 
-    def finished(self, code: int, stream: bool, *, tokens: int = 0, images: int = 0,
+    def finished(self, code: int, stream: bool, *, tokens: int = 0, prompt_tokens: int = 0, images: int = 0,
                  ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:  # fmt: skip
         key = (str(code), "stream" if stream else "unary")
         self.requests[key] = self.requests.get(key, 0) + 1
         self.completion_tokens += tokens
+        self.prompt_tokens += prompt_tokens
         self.images += images
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -137,6 +139,9 @@ class GatewayMetrics:
         out += render_family("epdq_gateway_in_flight", "gauge", "requests being served", [({}, self.in_flight)])
         out += render_family("epdq_gateway_completion_tokens_total", "counter", "tokens sent to clients",
                              [({}, self.completion_tokens)])  # fmt: skip
+        out += render_family("epdq_gateway_prompt_tokens_total", "counter",
+                             "prompt tokens of the requests served (image tokens included)",
+                             [({}, self.prompt_tokens)])  # fmt: skip
         out += render_family("epdq_gateway_images_total", "counter", "images received in requests",
                              [({}, self.images)])  # fmt: skip
         for h in (self.ttft, self.tpot, self.e2e):

@@ -152,6 +152,7 @@ def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
                     events.append(json.loads(line))
         done = [e for e in events if e.get("event") == "request_done" and e["logger"] == "epdq.gateway"]
         assert len(done) == 1 and done[0]["request_id"].startswith("chatcmpl-") and done[0]["status"] == 200
+        assert done[0]["prompt_tokens"] > 0
         upstream = done[0]["upstream_request_id"]  # the gateway's line names the broker's id
         done = [e for e in events if e.get("event") == "request_done" and e["logger"] == "epdq.broker"]
         assert len(done) == 2, done  # the CLI's request and the gateway's, each with its id and timings

@@ -250,6 +250,7 @@ async def test_chat_completions_with_openai_client(tmp_path):
             assert m[f'{req}{{code="404",mode="unary"}}'] == 1 and m[f'{req}{{code="413",mode="unary"}}'] == 1
             assert m["epdq_gateway_in_flight"] == 0
             assert m["epdq_gateway_completion_tokens_total"] == 5 + 5 + 3 + 5 + 5 + 2
+            assert m["epdq_gateway_prompt_tokens_total"] >= 6 * 4  # six answered requests, each > 4
             assert m["epdq_gateway_images_total"] >= 4
             assert m["epdq_gateway_ttft_seconds_count"] == 6 and m["epdq_gateway_request_seconds_count"] >= 6
             assert m['epdq_gateway_ttft_seconds_bucket{le="+Inf"}'] == 6
