@@ -208,7 +208,8 @@ def generate(
             else:
                 typer.echo(r.text)
                 typer.echo(
-                    f"[{len(r.token_ids)} tokens, TTFT {r.timings.ttft_s * 1e3:.1f} ms, {r.finish_reason}]",
+                    f"[{r.prompt_tokens} prompt + {len(r.token_ids)} tokens, TTFT {r.timings.ttft_s * 1e3:.1f} ms, "
+                    f"{r.finish_reason}]",
                     err=True,
                 )
             return 0
