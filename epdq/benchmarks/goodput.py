@@ -19,9 +19,10 @@ Two kinds:
   are scaled for the small model of the cost model: TPOT SLO = `tpot_slack` x its unloaded TPOT,
   TTFT SLO = 20 s x (TPOT SLO / 100 ms). A sensitivity table shows the EPD/colocated ratio as the
   TPOT slack varies (the ratio is a tail-latency isolation effect; see the notes in the output).
-* `real` (`--real`): the tiny random Qwen2-VL on CPU, real processes (`epdq.cluster.Cluster`:
-  1 encoder, 1 PD, 1 colocated worker), a short Poisson run per offered load on route "epd" and
-  route "colocated". The tiny model's vision tower is cheap, so no large EPD gain is expected.
+* `real` (`--real`, `epdq.benchmarks.goodput_real`): the tiny random Qwen2-VL on CPU, real
+  processes in one cluster: 1 encoder + N PD workers (route "epd") and N+1 colocated workers
+  (route "colocated"), a short Poisson run per offered load on each. The tiny model's vision
+  tower is cheap, so no large EPD gain is expected.
 
 `python -m epdq.benchmarks.goodput [--real] [--quick]` prints the tables and writes
 `bench-results/goodput.json` and `goodput.png`.
@@ -32,15 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import random
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
-from epdq.benchmarks.report import Progress, percentile, table, write_json
+from epdq.benchmarks.goodput_real import RealConfig, plot_real, print_real, run_real
+from epdq.benchmarks.report import Progress, table, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
@@ -296,104 +296,15 @@ def _print_cost(res: dict[str, Any]) -> None:
                 rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
 
 
-# ---------------------------------------------------------------- real kind
-
-
-async def _real_async(*, qps_list: list[float], requests_per_point: int, images_per_request: int,
-                      image_size: tuple[int, int], max_tokens: int, ttft_slo: float, tpot_slo: float,
-                      model: str, log, seed: int) -> dict[str, Any]:  # fmt: skip
-    import tempfile
-
-    from epdq.cluster import Cluster, ClusterSpec
-    from epdq.demo import demo_image
-
-    with tempfile.TemporaryDirectory(prefix="epdq-goodput-") as d:
-        spec = ClusterSpec(address=f"ipc://{d}/broker.sock", encoders=1, pds=1, both=1, model=model,
-                           log_dir=f"{d}/logs", start_timeout_s=400)  # fmt: skip
-        cluster = Cluster(spec)
-        t0 = time.perf_counter()
-        try:
-            await cluster.start(progress=log)
-            startup = time.perf_counter() - t0
-            points = []
-            async with cluster.client(timeout=120) as c:
-                await c.generate("warm up", images=[demo_image(1, image_size)], max_tokens=2, route="epd")
-                await c.generate(
-                    "warm up", images=[demo_image(2, image_size)], max_tokens=2, route="colocated"
-                )
-                img_seed = 1000
-                for qps in qps_list:
-                    for route in ("epd", "colocated"):
-                        rng = random.Random(seed + int(qps * 100))
-                        imgs = []
-                        for _ in range(requests_per_point):
-                            imgs.append(
-                                [demo_image(img_seed + j, image_size) for j in range(images_per_request)]
-                            )
-                            img_seed += images_per_request
-                        results: list[Any] = []
-
-                        async def one(i: int, delay: float, results=results, imgs=imgs, route=route) -> None:
-                            await asyncio.sleep(delay)
-                            try:
-                                r = await c.generate(f"Describe picture set {i}.", images=imgs[i], max_tokens=max_tokens,
-                                                     ignore_eos=True, route=route)  # fmt: skip
-                                results.append(r.timings)
-                            except Exception as e:  # noqa: BLE001 - reported as a failure
-                                results.append(e)
-
-                        t, delays = 0.0, []
-                        for _ in range(requests_per_point):
-                            t += rng.expovariate(qps)
-                            delays.append(t)
-                        start = time.perf_counter()
-                        await asyncio.gather(*(one(i, dl) for i, dl in enumerate(delays)))
-                        elapsed = time.perf_counter() - start
-                        ok = [r for r in results if not isinstance(r, Exception)]
-                        ttft = [r.ttft_s for r in ok]
-                        tpot = [r.tpot_s for r in ok]
-                        within = sum(1 for r in ok if r.ttft_s <= ttft_slo and r.tpot_s <= tpot_slo)
-                        points.append({
-                            "route": route, "offered_qps": qps, "requests": requests_per_point, "completed": len(ok),
-                            "errors": len(results) - len(ok), "elapsed_s": elapsed,
-                            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-                            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
-                            "encode_p50": percentile([r.encode_s for r in ok], 50),
-                            "within_slo": within, "goodput_rps": qps * within / requests_per_point,
-                            "meets_slo": len(ok) == requests_per_point and percentile(ttft, 99) <= ttft_slo
-                            and percentile(tpot, 99) <= tpot_slo,
-                        })  # fmt: skip
-                        log(f"real: {route} at {qps} QPS: TTFT p50 {points[-1]['ttft_p50']:.3f} s")
-                stats = await c.stats()
-        finally:
-            await asyncio.to_thread(cluster.stop)
-    return {"kind": "real", "startup_s": startup, "points": points, "counters": stats["counters"],
-            "workload": {"images_per_request": images_per_request, "image_size": list(image_size),
-                         "max_tokens": max_tokens, "requests_per_point": requests_per_point},
-            "systems": {"epd": "1 encoder + 1 PD (route epd)", "colocated": "1 colocated worker (route colocated)"},
-            "slo": {"ttft_p99_s": ttft_slo, "tpot_p99_s": tpot_slo,
-                    "rule": "vLLM's 20 s / 100 ms scaled down for the tiny CPU model (x0.05 TTFT, x0.5 TPOT)"}}  # fmt: skip
-
-
-def _print_real(res: dict[str, Any]) -> None:
-    rows = [[p["route"], p["offered_qps"], f"{p['completed']}/{p['requests']}", p["ttft_p50"], p["ttft_p99"],
-             p["tpot_p50"] * 1e3, p["tpot_p99"] * 1e3, p["encode_p50"] * 1e3, p["goodput_rps"],
-             "yes" if p["meets_slo"] else "no"] for p in res["points"]]  # fmt: skip
-    slo = res["slo"]
-    print(table(["route", "offered QPS", "done", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
-                 "encode p50 ms", "goodput", "SLO"], rows,
-                title=f"Real tiny model on CPU (1 encoder + 1 PD vs 1 colocated, same cluster; cluster start "
-                f"{res['startup_s']:.0f} s); SLO P99 TTFT <= {slo['ttft_p99_s']} s, TPOT <= {slo['tpot_p99_s'] * 1e3:.0f} ms"))  # fmt: skip
-
-
 # ---------------------------------------------------------------- entry points
 
 
 def run(
     *, kind: str = "cost", out_dir: str = "bench-results", plot: bool = True, progress=None, quick: bool = False,
-    real_qps: list[float] | None = None, real_requests: int = 20, model: str = "", **cost_kw: Any,
+    real: RealConfig | None = None, **cost_kw: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """Run the goodput benchmark; print tables; write goodput.json (+ goodput.png). Returns the result."""
+    """Run the goodput benchmark; print tables; write goodput.json (+ goodput.png), or
+    goodput-real.json (+ goodput-real.png) for the real kind. Returns the result."""
     if kind not in ("cost", "real"):
         raise ValueError("kind must be cost or real")
     if kind == "cost":
@@ -403,18 +314,14 @@ def run(
         _print_cost(res)
     else:
         say = (lambda m: print(m, file=sys.stderr)) if progress is None else (lambda _m: progress.advance(0))
-        res = asyncio.run(_real_async(
-            qps_list=real_qps or [2.0, 5.0, 10.0], requests_per_point=real_requests, images_per_request=2,
-            image_size=(224, 224), max_tokens=16, ttft_slo=cost_kw.get("ttft_slo") or 1.0,
-            tpot_slo=cost_kw.get("tpot_slo") or 0.05, model=model, log=say, seed=cost_kw.get("seed", 0),
-        ))  # fmt: skip
-        _print_real(res)
+        res = asyncio.run(run_real(real or RealConfig(), log=say))
+        print_real(res)
     out = Path(out_dir)
     name = "goodput.json" if kind == "cost" else "goodput-real.json"
     png = out / ("goodput.png" if kind == "cost" else "goodput-real.png")
     if plot:
         try:
-            _plot(res, png)
+            (_plot if kind == "cost" else plot_real)(res, png)
             res["plot"] = str(png)
         except ImportError as e:  # matplotlib is the bench extra
             print(f"no plot: {e}", file=sys.stderr)
@@ -430,51 +337,34 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    if res["kind"] == "cost":
-        fig, ax = plt.subplots(2, 2, figsize=(12, 9))
-        slo = res["slo"]
-        styles = {"epd_4img": ("EPD 1E+3PD", "C0", "-"), "colocated_4img": ("4 colocated", "C1", "-"),
-                  "epd_repeat_cache": ("EPD, cache", "C0", "--"), "epd_repeat_nocache": ("EPD, no cache", "C2", "--"),
-                  "colocated_repeat": ("colocated", "C1", "--")}  # fmt: skip
-        for name, (label, color, ls) in styles.items():
-            c = res["curves"][name]
-            q = [p["offered_qps"] for p in c]
-            target = ax[0][0] if name.endswith("4img") else ax[1][1]
-            target.plot(q, [p["goodput_rps"] for p in c], ls, color=color, marker="o", ms=3, label=label)
-            if name.endswith("4img"):
-                ax[0][1].plot(
-                    q, [p["tpot_p99"] * 1e3 for p in c], ls, color=color, marker="o", ms=3, label=label
-                )
-                ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
-        k = _images_label(res)
-        ax[0][0].set_title(f"{k}/request: goodput (within both SLOs)")
-        ax[1][1].set_title("50% repeated images: goodput")
-        ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
-        ax[0][1].set_title(f"{k}/request: P99 TPOT (ms)")
-        ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
-        ax[1][0].set_yscale("log")
-        ax[1][0].set_title(f"{k}/request: P99 TTFT (s)")
-        for a in ax.flat:
-            a.set_xlabel("offered load (requests/s)")
-            a.grid(alpha=0.3)
-            a.legend(fontsize=8)
-        fig.suptitle("epdq goodput, cost model (simulated, real scheduler)")
-    else:
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4.5))
-        for route, color in (("epd", "C0"), ("colocated", "C1")):
-            pts = [p for p in res["points"] if p["route"] == route]
-            q = [p["offered_qps"] for p in pts]
-            ax[0].plot(q, [p["ttft_p50"] for p in pts], "-o", color=color, label=f"{route} p50")
-            ax[0].plot(q, [p["ttft_p99"] for p in pts], "--o", color=color, label=f"{route} p99")
-            ax[1].plot(q, [p["tpot_p50"] * 1e3 for p in pts], "-o", color=color, label=f"{route} p50")
-            ax[1].plot(q, [p["tpot_p99"] * 1e3 for p in pts], "--o", color=color, label=f"{route} p99")
-        ax[0].set_title("TTFT (s)")
-        ax[1].set_title("TPOT (ms)")
-        for a in ax:
-            a.set_xlabel("offered load (requests/s)")
-            a.grid(alpha=0.3)
-            a.legend(fontsize=8)
-        fig.suptitle("epdq, real tiny model on CPU")
+    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    slo = res["slo"]
+    styles = {"epd_4img": ("EPD 1E+3PD", "C0", "-"), "colocated_4img": ("4 colocated", "C1", "-"),
+              "epd_repeat_cache": ("EPD, cache", "C0", "--"), "epd_repeat_nocache": ("EPD, no cache", "C2", "--"),
+              "colocated_repeat": ("colocated", "C1", "--")}  # fmt: skip
+    for name, (label, color, ls) in styles.items():
+        c = res["curves"][name]
+        q = [p["offered_qps"] for p in c]
+        target = ax[0][0] if name.endswith("4img") else ax[1][1]
+        target.plot(q, [p["goodput_rps"] for p in c], ls, color=color, marker="o", ms=3, label=label)
+        if name.endswith("4img"):
+            ax[0][1].plot(
+                q, [p["tpot_p99"] * 1e3 for p in c], ls, color=color, marker="o", ms=3, label=label
+            )
+            ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
+    k = _images_label(res)
+    ax[0][0].set_title(f"{k}/request: goodput (within both SLOs)")
+    ax[1][1].set_title("50% repeated images: goodput")
+    ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
+    ax[0][1].set_title(f"{k}/request: P99 TPOT (ms)")
+    ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
+    ax[1][0].set_yscale("log")
+    ax[1][0].set_title(f"{k}/request: P99 TTFT (s)")
+    for a in ax.flat:
+        a.set_xlabel("offered load (requests/s)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle("epdq goodput, cost model (simulated, real scheduler)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -489,11 +379,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench-results",
                     help="directory for goodput.json (goodput-real.json with --real) and the plot")  # fmt: skip
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--pd", type=int, default=3, help="N: EPD is 1 encoder + N PD, colocated is N+1 workers")
-    ap.add_argument("--images", type=int, default=4, help="images per request")
-    ap.add_argument("--image-size", default="512x512")
+    ap.add_argument("--pd", type=int, default=None,
+                    help="N: EPD is 1 encoder + N PD, colocated is N+1 workers (default 3; --real: 1)")
+    ap.add_argument("--images", type=int, default=None, help="images per request (default 4; --real: 2)")
+    ap.add_argument("--image-size", default=None, help="WIDTHxHEIGHT (default 512x512; --real: 224x224)")
     ap.add_argument("--text-tokens", type=int, default=128)
-    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=None, help="default 128; --real: 16")
     ap.add_argument("--repeat-fraction", type=float, default=0.5)
     ap.add_argument("--hot-set", type=int, default=32)
     ap.add_argument(
@@ -505,6 +396,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         "--window", type=float, default=120.0, help="simulated seconds of arrivals per load point"
     )
     ap.add_argument("--qps", default="", help="comma-separated offered loads")
+    ap.add_argument("--requests", type=int, default=20, help="--real: requests per offered load and system")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     try:
@@ -516,23 +408,36 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     for flag, v in (("--ttft-slo", a.ttft_slo), ("--tpot-slo", a.tpot_slo)):
         if v is not None and not _positive(v):
             ap.error(f"{flag} must be > 0 seconds, not {v!r}")
-    if a.real:
-        run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real_qps=qps, ttft_slo=a.ttft_slo,
-            tpot_slo=a.tpot_slo, seed=a.seed)  # fmt: skip
-        return 0
+    size = a.image_size or ("224x224" if a.real else "512x512")
     try:
-        w, h = (int(v) for v in a.image_size.lower().split("x"))
+        w, h = (int(v) for v in size.lower().split("x"))
     except ValueError:
-        ap.error(f"--image-size must be WIDTHxHEIGHT in pixels, e.g. 512x512, not {a.image_size!r}")
-    kw: dict[str, Any] = dict(n_pd=a.pd, images_per_request=a.images, image_size=(w, h), text_tokens=a.text_tokens,
-                              output_tokens=a.output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
+        ap.error(f"--image-size must be WIDTHxHEIGHT in pixels, e.g. 512x512, not {size!r}")
+    if a.real:
+        d = RealConfig()
+        try:
+            real = RealConfig(
+                n_pd=d.n_pd if a.pd is None else a.pd, qps=tuple(qps or d.qps), requests_per_point=a.requests,
+                images_per_request=d.images_per_request if a.images is None else a.images, image_size=(w, h),
+                max_tokens=d.max_tokens if a.output_tokens is None else a.output_tokens,
+                ttft_slo_s=a.ttft_slo or d.ttft_slo_s, tpot_slo_s=a.tpot_slo or d.tpot_slo_s, seed=a.seed,
+            )  # fmt: skip
+        except ValueError as e:
+            ap.error(str(e))
+        run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real=real)
+        return 0
+    n_pd = 3 if a.pd is None else a.pd
+    images = 4 if a.images is None else a.images
+    output_tokens = 128 if a.output_tokens is None else a.output_tokens
+    kw: dict[str, Any] = dict(n_pd=n_pd, images_per_request=images, image_size=(w, h), text_tokens=a.text_tokens,
+                              output_tokens=output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
                               tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
                               qps_grid=qps)  # fmt: skip
     if not a.quick:
         kw["window_s"] = a.window
     try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
-        Workload(a.images, (w, h), a.text_tokens, a.output_tokens, a.repeat_fraction, a.hot_set, a.seed)
-        _check_cost_args(n_pd=a.pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
+        Workload(images, (w, h), a.text_tokens, output_tokens, a.repeat_fraction, a.hot_set, a.seed)
+        _check_cost_args(n_pd=n_pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
                          window_s=a.window, min_requests=1, refine=0, sensitivity=None)  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
