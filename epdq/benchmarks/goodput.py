@@ -392,11 +392,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     )
     ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (overrides the scaled default)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="seconds (overrides the scaled default)")
-    ap.add_argument(
-        "--window", type=float, default=120.0, help="simulated seconds of arrivals per load point"
-    )
+    ap.add_argument("--window", type=float, default=None,
+                    help="seconds of arrivals per load point (default 120 simulated; --real: 8 real)")
     ap.add_argument("--qps", default="", help="comma-separated offered loads")
-    ap.add_argument("--requests", type=int, default=20, help="--real: requests per offered load and system")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     try:
@@ -417,7 +415,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         d = RealConfig()
         try:
             real = RealConfig(
-                n_pd=d.n_pd if a.pd is None else a.pd, qps=tuple(qps or d.qps), requests_per_point=a.requests,
+                n_pd=d.n_pd if a.pd is None else a.pd, qps=tuple(qps or d.qps), window_s=d.window_s if a.window is None else a.window,
                 images_per_request=d.images_per_request if a.images is None else a.images, image_size=(w, h),
                 max_tokens=d.max_tokens if a.output_tokens is None else a.output_tokens,
                 ttft_slo_s=a.ttft_slo or d.ttft_slo_s, tpot_slo_s=a.tpot_slo or d.tpot_slo_s, seed=a.seed,
@@ -433,12 +431,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                               output_tokens=output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
                               tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
                               qps_grid=qps)  # fmt: skip
+    window = 120.0 if a.window is None else a.window
     if not a.quick:
-        kw["window_s"] = a.window
+        kw["window_s"] = window
     try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
         Workload(images, (w, h), a.text_tokens, output_tokens, a.repeat_fraction, a.hot_set, a.seed)
         _check_cost_args(n_pd=n_pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
-                         window_s=a.window, min_requests=1, refine=0, sensitivity=None)  # fmt: skip
+                         window_s=window, min_requests=1, refine=0, sensitivity=None)  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)

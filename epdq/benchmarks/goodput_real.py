@@ -2,8 +2,9 @@
 
 One cluster (`epdq.cluster.Cluster`) holds both systems on the same engine: 1 encoder + N PD
 workers (route "epd") and N+1 colocated workers (route "colocated"). Each offered load runs a
-short Poisson arrival sequence on one route, then the same sequence (fresh images) on the other;
-the idle system's processes sleep meanwhile. A load point meets the SLOs when every request
+window of Poisson arrivals on one route, then the same arrivals (fresh images) on the other; the
+idle system's processes sleep meanwhile. A system that misses the SLOs at a load is not offered
+higher ones. A load point meets the SLOs when every request
 finished and P99 TTFT and P99 TPOT are within them; a system's goodput is its within-SLO rate at
 the highest offered load that meets them. The tiny model's vision tower is cheap, so this kind
 shows the pipeline working end to end under load rather than a large EPD gain.
@@ -27,8 +28,9 @@ ROUTES = ("epd", "colocated")
 @dataclass(frozen=True, slots=True)
 class RealConfig:
     n_pd: int = 1  # EPD: 1 encoder + n_pd PD workers; colocated: n_pd + 1 workers
-    qps: tuple[float, ...] = (2.0, 5.0, 10.0)
-    requests_per_point: int = 20
+    qps: tuple[float, ...] = (5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+    window_s: float = 8.0  # seconds of Poisson arrivals per load point (at least 3 requests)
+    refine: int = 2  # bisection steps between the highest load met and the lowest missed
     images_per_request: int = 2
     image_size: tuple[int, int] = (224, 224)
     max_tokens: int = 16
@@ -42,8 +44,12 @@ class RealConfig:
             raise ValueError(f"pd workers must be 1..8 for the real kind (one machine), not {self.n_pd!r}")
         if not self.qps or not all(q > 0 for q in self.qps):
             raise ValueError(f"offered loads must be > 0, not {self.qps!r}")
-        if not 1 <= self.requests_per_point <= 10_000:
-            raise ValueError(f"requests per point must be 1..10000, not {self.requests_per_point!r}")
+        if not (isinstance(self.refine, int) and 0 <= self.refine <= 8):
+            raise ValueError(f"refine must be 0..8 steps, not {self.refine!r}")
+        if not 0 < self.window_s <= 600:
+            raise ValueError(f"window must be in (0, 600] seconds, not {self.window_s!r}")
+        if max(self.qps) * self.window_s > 20_000:
+            raise ValueError("at most 20,000 requests per load point (offered load x window)")
         if not 0 <= self.images_per_request <= 8:
             raise ValueError(f"images per request must be 0..8 (the broker's default limit), not {self.images_per_request!r}")
         if not all(14 <= v <= 4096 for v in self.image_size):
@@ -52,6 +58,10 @@ class RealConfig:
             raise ValueError(f"output tokens must be 1..4096, not {self.max_tokens!r}")
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
             raise ValueError("SLOs must be > 0 seconds")
+
+
+    def requests(self, qps: float) -> int:
+        return max(3, round(qps * self.window_s))
 
 
 async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
@@ -71,19 +81,33 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
                 for i, route in enumerate(ROUTES):  # first compilations and caches out of the way
                     imgs = [demo_image(1 + i, cfg.image_size)] if cfg.images_per_request else []
                     await c.generate("warm up", images=imgs, max_tokens=2, route=route)
-                img_seed = 1000
+                seeds = iter(range(1000, 1 << 62, max(1, cfg.images_per_request)))
+
+                async def point(route: str, qps: float) -> dict[str, Any]:
+                    imgs = []
+                    for _ in range(cfg.requests(qps)):
+                        base = next(seeds)  # fresh images: every point is all cache misses
+                        imgs.append([demo_image(base + j, cfg.image_size) for j in range(cfg.images_per_request)])
+                    # the same arrival times for both routes at this load
+                    p = await _point(c, cfg, route, qps, random.Random(cfg.seed + int(qps * 1000)), imgs)
+                    log(f"real: {route} at {qps:g} QPS: TTFT p50 {p['ttft_p50']:.3f} s, "
+                        f"within SLO {p['within_slo']}/{p['requests']}")  # fmt: skip
+                    points.append(p)
+                    return p
+
+                missed: dict[str, float] = {}  # route -> lowest load that missed (none higher is offered)
                 for qps in cfg.qps:
                     for route in ROUTES:
-                        imgs = []
-                        for _ in range(cfg.requests_per_point):
-                            imgs.append([demo_image(img_seed + j, cfg.image_size) for j in range(cfg.images_per_request)])
-                            img_seed += cfg.images_per_request
-                        # the same arrival times for both routes at this load
-                        rng = random.Random(cfg.seed + int(qps * 1000))
-                        points.append(await _point(c, cfg, route, qps, rng, imgs))
-                        p = points[-1]
-                        log(f"real: {route} at {qps:g} QPS: TTFT p50 {p['ttft_p50']:.3f} s, "
-                            f"within SLO {p['within_slo']}/{p['requests']}")  # fmt: skip
+                        if route not in missed and not (await point(route, qps))["meets_slo"]:
+                            missed[route] = qps
+                for route, hi in missed.items():  # bisect (geometrically) between the grid's bracket
+                    lo = max((p["offered_qps"] for p in points if p["route"] == route and p["meets_slo"]), default=0.0)
+                    for _ in range(cfg.refine if lo else 0):
+                        mid = round((lo * hi) ** 0.5, 2)
+                        if (await point(route, mid))["meets_slo"]:
+                            lo = mid
+                        else:
+                            hi = mid
                 stats = await c.stats()
         finally:
             await asyncio.to_thread(cluster.stop)
@@ -93,8 +117,7 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
         "goodput_rps": goodput,
         "epd_over_colocated": goodput["epd"] / goodput["colocated"] if goodput["colocated"] else None,
         "workload": {"images_per_request": cfg.images_per_request, "image_size": list(cfg.image_size),
-                     "max_tokens": cfg.max_tokens, "requests_per_point": cfg.requests_per_point,
-                     "offered_qps": list(cfg.qps)},
+                     "max_tokens": cfg.max_tokens, "window_s": cfg.window_s, "offered_qps": list(cfg.qps)},
         "systems": {"epd": f"1 encoder + {cfg.n_pd} PD (route epd)",
                     "colocated": f"{cfg.n_pd + 1} colocated (route colocated)"},
         "slo": {"ttft_p99_s": cfg.ttft_slo_s, "tpot_p99_s": cfg.tpot_slo_s,
@@ -114,8 +137,9 @@ async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random,
         except Exception as e:  # noqa: BLE001 - counted as a failure of this point
             results.append(e)
 
+    n = len(imgs)
     t, delays = 0.0, []
-    for _ in range(cfg.requests_per_point):
+    for _ in range(n):
         t += rng.expovariate(qps)
         delays.append(t)
     start = time.perf_counter()
@@ -125,7 +149,6 @@ async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random,
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok]
     within = sum(1 for r in ok if r.ttft_s <= cfg.ttft_slo_s and r.tpot_s <= cfg.tpot_slo_s)
-    n = cfg.requests_per_point
     return {
         "route": route, "offered_qps": qps, "requests": n, "completed": len(ok), "errors": n - len(ok),
         "elapsed_s": elapsed, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
@@ -143,9 +166,11 @@ def _goodput(points: list[dict[str, Any]]) -> float:
 
 
 def print_real(res: dict[str, Any]) -> None:
+    order = sorted(res["points"], key=lambda p: (p["offered_qps"], ROUTES.index(p["route"])))
     rows = [[p["route"], p["offered_qps"], f"{p['completed']}/{p['requests']}", p["ttft_p50"], p["ttft_p99"],
-             p["tpot_p50"] * 1e3, p["tpot_p99"] * 1e3, p["encode_p50"] * 1e3, p["goodput_rps"],
-             "yes" if p["meets_slo"] else "no"] for p in res["points"]]  # fmt: skip
+             p["tpot_p50"] * 1e3, p["tpot_p99"] * 1e3, p["encode_p50"] * 1e3 if p["route"] == "epd" else "-",
+             p["goodput_rps"],
+             "yes" if p["meets_slo"] else "no"] for p in order]  # fmt: skip
     slo = res["slo"]
     sysn = {k: v.split(" (")[0] for k, v in res["systems"].items()}
     print(table(["route", "offered QPS", "done", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
@@ -171,7 +196,7 @@ def plot_real(res: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
     for route, color in (("epd", "C0"), ("colocated", "C1")):
-        pts = [p for p in res["points"] if p["route"] == route]
+        pts = sorted((p for p in res["points"] if p["route"] == route), key=lambda p: p["offered_qps"])
         q = [p["offered_qps"] for p in pts]
         label = res["systems"][route].split(" (")[0]
         ax[0].plot(q, [p["goodput_rps"] for p in pts], "-o", color=color, label=label)

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 
 def test_real_goodput_runs_both_systems(tmp_path, model_dir, capsys):
-    cfg = RealConfig(qps=(2.0,), requests_per_point=3, images_per_request=1, image_size=(56, 56), max_tokens=3,
+    cfg = RealConfig(qps=(2.0,), window_s=1.5, images_per_request=1, image_size=(56, 56), max_tokens=3,
                      model=model_dir, ttft_slo_s=60.0, tpot_slo_s=10.0)  # fmt: skip
     res = goodput.run(kind="real", out_dir=str(tmp_path), plot=False, real=cfg)
     assert res["systems"] == {"epd": "1 encoder + 1 PD (route epd)", "colocated": "2 colocated (route colocated)"}
