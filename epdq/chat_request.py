@@ -104,9 +104,10 @@ def unsupported(req: ChatCompletionRequest) -> str | None:
     for name in ("logit_bias", "tools", "functions", "prediction"):
         if getattr(req, name):
             return name
-    if req.tool_choice not in (None, "none"):
+    # "auto" without tools asks for nothing: some clients always send it
+    if req.tool_choice not in (None, "none", "auto"):
         return "tool_choice"
-    if req.function_call not in (None, "none"):
+    if req.function_call not in (None, "none", "auto"):
         return "function_call"
     if req.response_format and req.response_format.get("type", "text") != "text":
         return "response_format"

@@ -208,7 +208,8 @@ async def test_chat_completions_with_openai_client(tmp_path):
                 "logprobs": False,
                 "frequency_penalty": 0,
                 "presence_penalty": 0.0,
-                "tool_choice": "none",
+                "tool_choice": "auto",
+                "function_call": "none",
                 "response_format": {"type": "text"},
                 "modalities": ["text"],
             }
@@ -221,6 +222,7 @@ async def test_chat_completions_with_openai_client(tmp_path):
                 ({"logit_bias": {"42": 5}}, "logit_bias"),
                 ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                 ({"response_format": {"type": "json_object"}}, "response_format"),
+                ({"tool_choice": "required"}, "tool_choice"),
                 ({"n": 2}, "n "),
             ]:
                 async with http.post(f"{base}/v1/chat/completions", json={**payload, **extra}) as resp:
