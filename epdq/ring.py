@@ -20,6 +20,7 @@ flag, not a count: the broker keeps the count of requests that need an entry.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdq.errors import ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
 
 SHM_DIR = "/dev/shm"
@@ -92,6 +93,13 @@ def _close_map(mm: mmap.mmap) -> None:
         pass  # a tensor still views it; the mapping goes when that tensor is freed
 
 
+def _no_room(capacity: int, free: int) -> ConfigError:
+    return ConfigError(
+        f"a ring of {capacity >> 20} MiB does not fit in {SHM_DIR} ({free >> 20} MiB free): lower the "
+        "encoder's --ring-mb, or give this machine (a container: docker run --shm-size) more shared memory"
+    )
+
+
 def _unlink_segment(path: str, creator_pid: int) -> None:
     # A forked child that exits normally must not unlink its parent's segment.
     if os.getpid() == creator_pid:
@@ -110,6 +118,9 @@ class RingWriter:
         if not _TAG.fullmatch(owner_tag):
             raise ValueError(f"owner_tag must match {_TAG.pattern}, got {owner_tag!r}")
         self.capacity = _round_up(capacity_bytes, mmap.PAGESIZE)
+        st = os.statvfs(SHM_DIR)
+        if self.capacity > st.f_bavail * st.f_frsize:
+            raise _no_room(self.capacity, st.f_bavail * st.f_frsize)
         self.name = f"epdq-{os.getuid()}-{owner_tag}-{os.getpid()}-{secrets.token_hex(8)}"
         self._path = os.path.join(SHM_DIR, self.name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -120,7 +131,13 @@ class RingWriter:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(self._fd, self.capacity)
             # Reserve tmpfs pages now: a full /dev/shm fails here, not as SIGBUS mid-write.
-            os.posix_fallocate(self._fd, 0, self.capacity)
+            try:
+                os.posix_fallocate(self._fd, 0, self.capacity)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                st = os.statvfs(SHM_DIR)  # another process took the room since we looked
+                raise _no_room(self.capacity, st.f_bavail * st.f_frsize) from None
             self._mm = mmap.mmap(self._fd, self.capacity)
             # Touch one byte per page so first writes don't page-fault.
             pages = torch.frombuffer(self._mm, dtype=torch.uint8).view(-1, mmap.PAGESIZE)

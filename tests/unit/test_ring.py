@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import os
@@ -17,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from epdq import ring as ring_mod
 from epdq import ring_space
-from epdq.errors import ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingReader, RingWriter
 
 MIB = 1 << 20
@@ -73,6 +74,33 @@ def test_segment_is_private_named_and_page_rounded():
 def test_capacity_validated(cap):
     with pytest.raises(ValueError):
         RingWriter(cap)
+
+
+def _my_segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"epdq-{os.getuid()}-") and f"-{os.getpid()}-" in n}
+
+
+def test_a_ring_larger_than_free_shared_memory_is_a_config_error(monkeypatch):
+    """Not a SIGBUS later, not an OSError: one clear line naming the fix (Docker gives
+    containers 64 MiB of /dev/shm unless told otherwise)."""
+    real = os.statvfs(SHM_DIR)
+    before = _my_segments()
+
+    class Small:
+        f_bavail, f_frsize = 8 * MIB // real.f_frsize, real.f_frsize
+
+    monkeypatch.setattr(os, "statvfs", lambda _path: Small)
+    with pytest.raises(ConfigError, match=r"a ring of 16 MiB does not fit in /dev/shm \(8 MiB free\).*--shm-size"):
+        RingWriter(16 * MIB)
+    monkeypatch.undo()
+
+    def full(fd, offset, length):  # room when we looked, none when we took it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match="does not fit in /dev/shm"):
+        RingWriter(MIN_CAPACITY)
+    assert _my_segments() == before  # nothing left behind
 
 
 @pytest.mark.parametrize("tag", ["", "a-b", "../x", "x" * 33, "é"])
