@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import logging
 import math
 import os
 import time
@@ -32,6 +33,8 @@ from epdq.keys import security_for
 from epdq.media import load_image_bytes
 from epdq.security import SecurityConfig
 from epdq.transport import Channel, make_socket
+
+log = logging.getLogger("epdq.client")
 
 # how long past the request deadline the client waits for the broker's own deadline error
 _GRACE_S = 2.0
@@ -154,9 +157,9 @@ class AsyncClient:
                 continue
             self._ping()
 
-    def _fail_all(self, err: BrokerUnavailableError) -> None:
+    def _fail_all(self, err: EpdqError) -> None:
         for rid, q in list(self._streams.items()):
-            q.put_nowait(BrokerUnavailableError(err.message, request_id=rid))
+            q.put_nowait(type(err)(err.message, request_id=rid))
 
     async def close(self) -> None:
         ch, self._channel = self._channel, None
@@ -179,8 +182,15 @@ class AsyncClient:
     def _on_frames(self, frames: list[Any]) -> None:
         try:
             msg, _ = P.decode(frames)
-        except ProtocolError:
-            return  # a broker never sends these; ignore rather than fail an unrelated request
+        except ProtocolError as e:
+            # Only a broker of another epdq release (or a bug) sends what we cannot read. The
+            # request it was for cannot be told, and would wait for its deadline: fail them all now.
+            log.warning("undecodable message from the broker: %s", e.message)
+            self._fail_all(ProtocolError(
+                f"the broker sent a message this client cannot decode ({e.message}); does it run another "
+                f"epdq release? This client speaks protocol version {P.PROTOCOL_VERSION}."
+            ))  # fmt: skip
+            return
         self._last_heard = time.monotonic()
         if isinstance(msg, P.Pong):
             if self._broker_id is not None and msg.broker_id != self._broker_id:

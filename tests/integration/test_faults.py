@@ -251,3 +251,45 @@ async def test_prometheus_metrics_reflect_traffic(tmp_path, unused_tcp_port):
         assert float(lines['epdq_ring_used_bytes{worker="encoder-0"}']) > 0
         assert "epdq_busy_rejections_total" in lines and "epdq_requests_queued" in lines
         assert (await asyncio.to_thread(get, "/health"))[0] == 200
+
+
+async def test_a_broker_speaking_another_protocol_fails_requests_at_once(tmp_path):
+    """A broker of another release answers with messages this client cannot decode: the requests
+    fail with a ProtocolError naming the likely cause, instead of waiting for their deadline."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from epdq import ProtocolError
+    from epdq import protocol as P
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/old-broker.sock"
+    router.bind(address)
+
+    async def old_broker() -> None:
+        while True:
+            ident, *frames = await router.recv_multipart()
+            bodies = P.split_batch(frames) if frames[0] == P.BATCH_TYPE else [frames]
+            for body in bodies:
+                msg, _ = P.decode(body)
+                if isinstance(msg, P.Ping):
+                    await router.send_multipart([ident, *P.encode(P.Pong(msg.nonce, "old"))])
+                elif isinstance(msg, P.Submit):  # a TOKENS with a field this release does not know
+                    header = msgspec.msgpack.encode([msg.request_id, [1], "x", "stop", None, 3, "new field"])
+                    await router.send_multipart([ident, bytes([P.MsgType.TOKENS]), header])
+
+    server = asyncio.create_task(old_broker())
+    try:
+        async with AsyncClient(address, timeout=60) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ProtocolError, match="another epdq release.*protocol version 3"):
+                await c.generate("hello", max_tokens=2)
+            assert time.monotonic() - t0 < 10
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        router.close(linger=0)
+        ctx.term()
