@@ -313,7 +313,12 @@ class AsyncClient:
         sampling = _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos)
         rid = f"{self._rid_prefix}{next(self._rids):x}"
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
-        return rid, P.encode(sub) + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, float(timeout)
+        head = P.encode(sub)
+        if len(head[1]) > P.MAX_HEADER_BYTES:  # the broker would drop it as malformed
+            raise InvalidInputError(
+                f"the request's text is {len(head[1])} bytes encoded; at most {P.MAX_HEADER_BYTES} go in one request"
+            )
+        return rid, head + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, float(timeout)
 
     async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()

@@ -37,6 +37,8 @@ def client():
         (dict(messages=[{"role": 3, "content": "x"}]), "needs a role"),
         (dict(messages=[{"role": "bot", "content": "x"}]), "unknown role"),
         (dict(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "unsupported content part"),
+        # within the character limit, over the header's byte limit (4 bytes each in UTF-8)
+        (dict(messages=[{"role": "user", "content": "\U0001f600" * P.MAX_TEXT_CHARS}]), "bytes encoded"),
     ],
 )
 def test_bad_arguments_are_refused_before_sending(client, kwargs, match):
