@@ -52,12 +52,15 @@ def broker(
     if log_level not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter("log level must be debug, info, warning or error")
     setup_logging(log_level, log_format)
-    cfg = BrokerConfig(
-        address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
-        max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
-        liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease, metrics_address=metrics,
-        keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
-    )  # fmt: skip
+    try:
+        cfg = BrokerConfig(
+            address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
+            max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
+            liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
+            metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     _run(serve_broker(cfg))
 
 

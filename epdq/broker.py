@@ -20,11 +20,11 @@ from epdq import protocol as P
 from epdq.errors import ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
-from epdq.media import image_key, sniff_format
+from epdq.media import MAX_IMAGE_BYTES_DEFAULT, image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import authenticator_for
-from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket
+from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, PeerUnreachable, bound_endpoint, make_socket
 
 log = logging.getLogger("epdq.broker")
 
@@ -59,8 +59,12 @@ class BrokerConfig:
             raise ValueError(f"address must look like tcp://HOST:PORT or ipc://PATH, got {self.address!r}")
         if not 1 <= self.max_images_per_request <= 64:
             raise ValueError("max_images_per_request must be in [1, 64]")
-        if self.max_image_bytes < 1024:
-            raise ValueError("max_image_bytes must be >= 1024")
+        if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:
+            raise ValueError("max_queued_requests and max_held_image_bytes must be >= 1")
+        if not 1024 <= self.max_image_bytes <= MAX_MESSAGE_BYTES_DEFAULT - 2**20:
+            # the broker forwards images to workers, whose links take frames up to that size
+            raise ValueError(f"max_image_bytes must be in [1024, {MAX_MESSAGE_BYTES_DEFAULT - 2**20}] "
+                             f"(images are forwarded to workers in frames of at most {MAX_MESSAGE_BYTES_DEFAULT >> 20} MiB)")  # fmt: skip
         if self.default_timeout_s <= 0 or self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
         if not 0.01 <= self.heartbeat_s <= 600 or self.liveness < 1:
@@ -117,9 +121,12 @@ class Broker:
 
     def bind(self) -> str:
         security = security_for("broker", keys_dir=self.cfg.keys_dir, insecure=self.cfg.insecure)
+        # A frame over ZeroMQ's cap drops the sender's connection, and its request is lost
+        # without a word: the cap admits every image an epdq client sends (its own limit), so an
+        # image over OUR limit gets a typed error from _validate_submit instead.
+        frame_cap = max(self.cfg.max_image_bytes, MAX_IMAGE_BYTES_DEFAULT) + (1 << 20)
         sock = make_socket(
-            self._ctx, zmq.ROUTER, bind=self.cfg.address,
-            max_message_bytes=self.cfg.max_image_bytes + (1 << 20), security=security,
+            self._ctx, zmq.ROUTER, bind=self.cfg.address, max_message_bytes=frame_cap, security=security,
         )  # fmt: skip
         self.channel = Channel(
             sock, self._on_frames, on_error=self._on_handler_error, coalesce=True,

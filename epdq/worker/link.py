@@ -18,7 +18,7 @@ import zmq
 from epdq import protocol as P
 from epdq.errors import ProtocolError
 from epdq.security import SecurityConfig
-from epdq.transport import Channel, make_socket
+from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, make_socket
 
 log = logging.getLogger("epdq.worker")
 
@@ -33,7 +33,7 @@ class BrokerLink:
         heartbeat_s: float = 1.0,
         liveness: int = 5,
         ctx: zmq.Context | None = None,
-        max_message_bytes: int = 64 * 2**20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
         on_registered: Callable[[bool], None] | None = None,
         heartbeat: Callable[[], P.Heartbeat] | None = None,
         security: SecurityConfig | None = None,

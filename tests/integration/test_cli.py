@@ -238,3 +238,19 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     finally:
         busy.close()
         other.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-queued", "0"], "max_queued_requests and max_held_image_bytes must be >= 1"),
+        (["--heartbeat", "0"], "heartbeat_s must be in"),
+        (["--max-image-mb", "100"], "max_image_bytes must be in"),
+        (["--address", "nowhere"], "address must look like"),
+    ],
+)
+def test_bad_broker_settings_are_usage_errors(argv, message, tmp_path):
+    r = subprocess.run([*EPDQ, "broker", "--address", f"ipc://{tmp_path}/b.sock", *argv],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "Invalid value" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert message in " ".join(r.stderr.replace("│", " ").split())  # the box may wrap the line

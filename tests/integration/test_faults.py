@@ -49,6 +49,20 @@ async def test_backpressure_gate_answers_busy(tmp_path):
         await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0)
 
 
+async def test_an_image_over_the_brokers_limit_is_a_typed_error(tmp_path):
+    """Over the broker's --max-image-mb but within the client's own limit: a typed error at once
+    (it used to exceed ZeroMQ's frame cap, drop the connection and leave the request to its deadline)."""
+    spec = noop_spec(tmp_path, broker=BrokerConfig(max_image_bytes=1 << 20))
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
+        big = demo_image(1, (64, 64)) + os.urandom(3 << 20)  # a PNG with 3 MiB of trailing bytes
+        t0 = time.monotonic()
+        with pytest.raises(InvalidInputError, match=r"image 0 is \d+ bytes \(limit 1048576\)"):
+            await c.generate("x", images=[big])
+        assert time.monotonic() - t0 < 10
+        ok = await c.generate("x", images=[demo_image(1, (64, 64))], max_tokens=2)  # the link is fine
+        assert len(ok.token_ids) == 2
+
+
 async def test_too_many_images_is_a_typed_error(tmp_path):
     async with Cluster(noop_spec(tmp_path, log_format="json")) as cluster, AsyncClient(cluster.address) as c:
         with pytest.raises(InvalidInputError, match="limit 8") as refused:
