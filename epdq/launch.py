@@ -15,7 +15,7 @@ import sys
 
 import msgspec
 
-from epdq.errors import EpdqError
+from epdq.errors import ConfigError, EpdqError
 from epdq.logs import setup_logging
 
 
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("info", log_format)
     try:
         _serve(argv[0], argv[1], log_format)
-    except EpdqError as e:  # a setting that cannot work here (address in use): one line, no traceback
-        logging.getLogger("epdq.launch").error("%s cannot start: %s (%s)", argv[0], e.message, e.code)
-        return 2
+    except EpdqError as e:  # a setting that cannot work here, an engine that died: one line, no traceback
+        logging.getLogger("epdq.launch").error("%s stopped: %s (%s)", argv[0], e.message, e.code)
+        return 2 if isinstance(e, ConfigError) else 1
     return 0
 
 

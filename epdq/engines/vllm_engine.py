@@ -187,6 +187,12 @@ class VllmEngine:
     def dead(self) -> bool:
         return self._dead is not None or (self._llm is not None and bool(self._llm.errored))
 
+    @property
+    def dead_reason(self) -> str:
+        if self._dead is not None:
+            return f"{type(self._dead).__name__}: {self._dead}"[:200]
+        return "vLLM's engine core died" if self.dead else ""
+
     # -- prompts ---------------------------------------------------------------------------
     def render_prompt(self, messages: list[dict]) -> str:
         return render_chat_prompt(self._tokenizer, messages, self.config.max_images_per_prompt)

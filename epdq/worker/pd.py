@@ -138,6 +138,10 @@ class PDWorker:
         self.cuda_reader: Any = None
         self.cuda_reads = 0
         self._warned_rings: set[str] = set()
+        # set when the engine is dead for good (vLLM's EngineCore process gone): the runner then
+        # leaves the broker, which re-queues what had not streamed, and the process exits non-zero
+        self.engine_gone = asyncio.Event()
+        self.death = ""
         if self.device.type == "cuda":
             from epdq.ring_cuda import CudaRingReader
 
@@ -185,9 +189,13 @@ class PDWorker:
             self.link.send(P.PdFailed(rid, e.code, e.message, stale))
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except EpdqError as e:
+            if self.check_engine():
+                return  # no PdFailed: once we leave, the broker gives the request to another worker
             self.link.send(P.PdFailed(rid, e.code, e.message))
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except Exception as e:
+            if self.check_engine():
+                return
             log.exception("request %s failed in the engine", rid, extra={"request_id": rid, "event": "pd_error"})
             self.link.send(P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
         else:
@@ -198,6 +206,15 @@ class PDWorker:
                     extra={"request_id": rid, "event": "pd_done", "tokens": tokens, "finish_reason": finish,
                            "images": images, "seconds": round(time.perf_counter() - t0, 6)},
                 )  # fmt: skip
+
+    def check_engine(self) -> bool:
+        """True (and `engine_gone` set) once the engine is dead for good."""
+        if not self.death and getattr(self.engine, "dead", False):
+            self.death = str(getattr(self.engine, "dead_reason", "") or "the engine process is gone")
+            log.error("engine dead (%s): leaving the broker; its requests go to other workers", self.death,
+                      extra={"event": "engine_dead"})  # fmt: skip
+            self.engine_gone.set()
+        return bool(self.death)
 
     @staticmethod
     def _log_end(rid: str, t0: float, images: int, code: str, level: int = logging.WARNING, detail: str = "") -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epdq import protocol as P
-from epdq.errors import ConfigError
+from epdq.errors import ConfigError, EngineError
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
@@ -309,13 +309,25 @@ async def _run_pd(
         on_loaded()
         link.start()
         log.info("%s worker %s up", cfg.role, cfg.worker_id)
+        watchdog = asyncio.create_task(_watch_engine(worker))
         try:
-            await _until(stop, None)
+            await _until(stop, watchdog)
         finally:
+            watchdog.cancel()
+            if worker.death:  # BYE first: what was in flight is re-queued, not failed as cancelled
+                link.close(f"engine dead: {worker.death}"[:200])
             worker.close()
             link.close()
     finally:
         await engine.close()
+    if worker.death:
+        raise EngineError(f"the engine died ({worker.death}); this worker left the broker")
+
+
+async def _watch_engine(worker, interval_s: float = 0.5) -> None:
+    """Until the engine dies (noticed here even when no request is running)."""
+    while not worker.check_engine():
+        await asyncio.sleep(interval_s)
 
 
 def _use_device(device: str) -> None:
