@@ -59,7 +59,6 @@ class RealConfig:
         if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
             raise ValueError("SLOs must be > 0 seconds")
 
-
     def requests(self, qps: float) -> int:
         return max(3, round(qps * self.window_s))
 
