@@ -126,6 +126,7 @@ def up(
     allow_dir: str = typer.Option("", help="Gateway: serve local image files under this directory."),
     metrics: str = typer.Option("", help="HOST:PORT for the broker's Prometheus /metrics and /health."),
     log_format: str = typer.Option("text", help="Child logs: text or json"),
+    restarts: int = typer.Option(5, min=0, help="Times a process that exits is restarted (0: stop everything)."),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
@@ -158,9 +159,7 @@ def up(
                 typer.echo(f"  Prometheus: broker http://{metrics}/metrics, gateway {cluster.http_url}/metrics"
                            if cluster.http_url else f"  Prometheus: http://{metrics}/metrics")  # fmt: skip
             typer.echo("Ctrl-C stops everything.")
-            while True:
-                await asyncio.sleep(1.0)
-                cluster.check_alive()
+            await cluster.supervise(max_restarts=restarts, say=lambda m: typer.echo(f"  {m}"))
         finally:
             typer.echo("stopping...")
             cluster.stop()

@@ -72,6 +72,9 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     log_offset: int = 0  # where this child's lines start in log_path
+    kind: str = ""  # broker | worker | gateway
+    cfg: object = None  # what it was started with (a restart reuses it)
+    restarts: int = 0
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -116,9 +119,36 @@ class Cluster:
             preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
         out.close()
-        child = Child(name, proc, path, offset)
+        child = Child(name, proc, path, offset, kind, cfg)
         self.children.append(child)
         return child
+
+    def respawn(self, old: Child) -> Child:
+        """Start `old` again with the same settings (its log continues in the same file)."""
+        self.children.remove(old)
+        child = self._spawn(old.name, old.kind, old.cfg)
+        child.restarts = old.restarts + 1
+        return child
+
+    async def supervise(self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5) -> None:
+        """Until cancelled: restart any child that exits, up to `max_restarts` times each; then
+        RuntimeError with its last log lines. Workers re-register by themselves, and find a
+        restarted broker again (its in-flight requests fail, typed, as after any broker restart)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for ch in list(self.children):
+                rc = ch.proc.poll()
+                if rc is None:
+                    continue
+                if ch.restarts >= max_restarts:
+                    raise RuntimeError(
+                        f"{ch.name} exited with code {rc}"
+                        + (f" after {ch.restarts} restarts" if ch.restarts else "")
+                        + f"; last log lines:\n{ch.tail()}"
+                    )
+                say(f"{ch.name} exited with code {rc}; restarting it ({ch.restarts + 1}/{max_restarts}; "
+                    f"log: {ch.log_path})")  # fmt: skip
+                self.respawn(ch)
 
     def worker_configs(self) -> list[tuple[str, WorkerConfig]]:
         out = []

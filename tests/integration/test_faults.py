@@ -307,3 +307,33 @@ async def test_a_broker_speaking_another_protocol_fails_requests_at_once(tmp_pat
         await asyncio.gather(server, return_exceptions=True)
         router.close(linger=0)
         ctx.term()
+
+
+async def test_supervise_restarts_what_exits_then_gives_up(tmp_path):
+    """`epdq up` keeps serving when a process dies: the PD worker is started again, registers,
+    and serves; past its restart budget the supervisor stops with the child's log lines."""
+    async with Cluster(noop_spec(tmp_path)) as cluster:
+        said: list[str] = []
+        supervisor = asyncio.create_task(cluster.supervise(max_restarts=1, say=said.append, interval_s=0.1))
+        first = cluster.child("pd-0")
+        kill_child(first)
+
+        def back_up() -> bool:  # the new process has registered (its own lines in the shared log)
+            ch = cluster.child("pd-0")
+            if ch is first:
+                return False
+            with open(ch.log_path, "rb") as f:
+                f.seek(ch.log_offset)
+                return b"registered with broker" in f.read()
+
+        end = time.monotonic() + 60
+        while not back_up():
+            assert time.monotonic() < end, "pd-0 did not come back"
+            await asyncio.sleep(0.1)
+        assert said and said[0].startswith("pd-0 exited with code -9; restarting it (1/1")
+        async with AsyncClient(cluster.address) as c:
+            ok = await c.generate("x", images=[demo_image(3, (64, 64))], max_tokens=2)
+        assert len(ok.token_ids) == 2 and cluster.child("pd-0").restarts == 1
+        kill_child(cluster.child("pd-0"))
+        with pytest.raises(RuntimeError, match="pd-0 exited with code -9 after 1 restarts"):
+            await asyncio.wait_for(supervisor, 30)
