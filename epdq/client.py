@@ -7,7 +7,6 @@ travel as the original file bytes (PIL images as PNG) in out-of-band frames.
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import logging
 import math
@@ -30,7 +29,7 @@ from epdq.errors import (
     error_from_code,
 )
 from epdq.keys import security_for
-from epdq.media import load_image_bytes
+from epdq.media import decode_data_url, load_image_bytes
 from epdq.security import SecurityConfig
 from epdq.transport import Channel, make_socket
 
@@ -517,10 +516,4 @@ def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[b
 def _data_url_bytes(url: Any) -> bytes:
     if not isinstance(url, str) or not url.startswith("data:"):
         raise InvalidInputError("image_url must be a data: URL (the client does not fetch remote images)")
-    head, sep, data = url.partition(",")
-    if not sep or ";base64" not in head:
-        raise InvalidInputError("image_url data: URL must be base64-encoded")
-    try:
-        return base64.b64decode(data, validate=True)
-    except ValueError:
-        raise InvalidInputError("image_url data: URL has invalid base64") from None
+    return decode_data_url(url)

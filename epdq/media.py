@@ -13,6 +13,7 @@ orientation is not applied (neither do they).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import os
@@ -62,9 +63,16 @@ def sniff_format(data: Any) -> str | None:
 
 
 def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_DEFAULT) -> bytes:
-    """Client side: a path, bytes-like object or PIL image, as the bytes to send."""
+    """Client side: a path, a base64 data: URL, bytes-like object or PIL image, as the bytes to send."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
+    elif isinstance(image, str) and image.startswith("data:"):
+        data = decode_data_url(image)
+    elif isinstance(image, str) and image.lower().startswith(("http://", "https://")):
+        raise InvalidInputError(
+            "the client does not fetch image URLs: pass the file, its bytes or a data: URL (the HTTP gateway "
+            "fetches http(s) URLs when started with --allow-remote-urls)"
+        )
     elif isinstance(image, (str, os.PathLike)):
         data = _read_file(image, max_bytes)
     elif _is_pil_image(image):
@@ -76,6 +84,17 @@ def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_DEFAULT) ->
     if len(data) > max_bytes:
         raise InvalidInputError(f"image is {len(data)} bytes (limit {max_bytes})")
     return data
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a base64 `data:` URL (`data:image/png;base64,...`)."""
+    head, sep, data = url.partition(",")
+    if not sep or ";base64" not in head:
+        raise InvalidInputError("image data: URL must be base64-encoded")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise InvalidInputError("image data: URL has invalid base64") from None
 
 
 def decode_image(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import struct
@@ -227,6 +228,21 @@ def test_load_bytes_pass_through_and_limits():
         load_image_bytes(b"")
     with pytest.raises(InvalidInputError):
         load_image_bytes(data, max_bytes=10)
+
+
+def test_load_data_urls_and_refuse_http_urls():
+    data = encoded("PNG")
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert load_image_bytes(url) == data
+    with pytest.raises(InvalidInputError, match="must be base64-encoded"):
+        load_image_bytes("data:image/png,rawbytes")
+    with pytest.raises(InvalidInputError, match="invalid base64"):
+        load_image_bytes("data:image/png;base64,not*base64")
+    with pytest.raises(InvalidInputError, match="limit 10"):
+        load_image_bytes(url, max_bytes=10)
+    for remote in ("http://example.com/cat.png", "HTTPS://example.com/cat.png"):
+        with pytest.raises(InvalidInputError, match="does not fetch image URLs"):
+            load_image_bytes(remote)
 
 
 def test_load_pil_image_is_lossless_and_deterministic():
