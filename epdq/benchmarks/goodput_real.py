@@ -124,13 +124,18 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random, imgs: list) -> dict[str, Any]:
+async def measure_point(
+    c, route: str, qps: float, imgs: list[list[bytes]], rng: random.Random, *, max_tokens: int,
+    ttft_slo_s: float, tpot_slo_s: float,
+) -> tuple[dict[str, Any], list[Any]]:  # fmt: skip
+    """One load point: a request per entry of `imgs` (its images) on `route`, Poisson arrivals at
+    `qps` drawn from `rng`. Returns its figures and the raw results (timings, or the exception)."""
     results: list[Any] = []
 
     async def one(i: int, delay: float) -> None:
         await asyncio.sleep(delay)
         try:
-            r = await c.generate(f"Describe picture set {i}.", images=imgs[i], max_tokens=cfg.max_tokens,
+            r = await c.generate(f"Describe picture set {i}.", images=imgs[i], max_tokens=max_tokens,
                                  ignore_eos=True, route=route)  # fmt: skip
             results.append(r.timings)
         except Exception as e:  # noqa: BLE001 - counted as a failure of this point
@@ -147,16 +152,22 @@ async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random,
     ok = [r for r in results if not isinstance(r, Exception)]
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok]
-    within = sum(1 for r in ok if r.ttft_s <= cfg.ttft_slo_s and r.tpot_s <= cfg.tpot_slo_s)
+    within = sum(1 for r in ok if r.ttft_s <= ttft_slo_s and r.tpot_s <= tpot_slo_s)
     return {
         "route": route, "offered_qps": qps, "requests": n, "completed": len(ok), "errors": n - len(ok),
         "elapsed_s": elapsed, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
         "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
         "encode_p50": percentile([r.encode_s for r in ok], 50), "within_slo": within,
-        "goodput_rps": qps * within / n,
-        "meets_slo": len(ok) == n and percentile(ttft, 99) <= cfg.ttft_slo_s and percentile(tpot, 99) <= cfg.tpot_slo_s,
-        "first_error": next((f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)), None),
-    }  # fmt: skip
+        "meets_slo": len(ok) == n and percentile(ttft, 99) <= ttft_slo_s and percentile(tpot, 99) <= tpot_slo_s,
+    }, results  # fmt: skip
+
+
+async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random, imgs: list) -> dict[str, Any]:
+    p, results = await measure_point(c, route, qps, imgs, rng, max_tokens=cfg.max_tokens,
+                                     ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s)  # fmt: skip
+    p["goodput_rps"] = qps * p["within_slo"] / p["requests"]
+    p["first_error"] = next((f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)), None)
+    return p
 
 
 def _goodput(points: list[dict[str, Any]]) -> float:

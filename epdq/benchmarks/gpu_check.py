@@ -38,7 +38,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.report import environment, percentile, table
+from epdq.benchmarks.goodput_real import measure_point
+from epdq.benchmarks.report import environment, table
 
 TTFT_SLO_S = 20.0  # vLLM's disaggregated-encoder evaluation (4B model): P99 TTFT <= 20 s
 TPOT_SLO_S = 0.100  # and P99 TPOT <= 100 ms
@@ -197,45 +198,20 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
                 if chk.elapsed() > a.budget_s:
                     chk.say(f"goodput: budget of {a.budget_s:.0f} s spent; skipping {route} at {qps} QPS")
                     continue
-                rng = random.Random(int(qps * 1000))
                 reqs = []
                 for _ in range(a.requests):
                     reqs.append(_images(seed, a.goodput_images, size))
                     seed += a.goodput_images
-                delays, t = [], 0.0
-                for _ in reqs:
-                    t += rng.expovariate(qps)
-                    delays.append(t)
-                results: list[Any] = []
-
-                async def one(i: int, delay: float, reqs=reqs, results=results, route=route) -> None:
-                    await asyncio.sleep(delay)
-                    try:
-                        r = await c.generate(f"Describe picture set {i}.", images=reqs[i], max_tokens=a.goodput_tokens,
-                                             ignore_eos=True, route=route)  # fmt: skip
-                        results.append(r.timings)
-                    except Exception as e:  # noqa: BLE001 - counted as a failed request
-                        results.append(e)
-
-                start = time.perf_counter()
-                await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
-                elapsed = time.perf_counter() - start
-                ok = [r for r in results if not isinstance(r, Exception)]
-                ttft, tpot = [r.ttft_s for r in ok], [r.tpot_s for r in ok]
-                within = sum(1 for r in ok if r.ttft_s <= TTFT_SLO_S and r.tpot_s <= TPOT_SLO_S)
-                p = {
-                    "route": route, "offered_qps": qps, "requests": len(reqs), "completed": len(ok),
-                    "errors": [str(r)[:200] for r in results if isinstance(r, Exception)], "elapsed_s": elapsed,
-                    "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-                    "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
-                    "encode_p50": percentile([r.encode_s for r in ok], 50),
-                    "throughput_rps": len(ok) / elapsed if elapsed > 0 else 0.0,
-                    "goodput_rps": within / elapsed if elapsed > 0 else 0.0,
-                    "meets_slo": len(ok) == len(reqs) and percentile(ttft, 99) <= TTFT_SLO_S
-                    and percentile(tpot, 99) <= TPOT_SLO_S,
-                }  # fmt: skip
+                p, results = await measure_point(
+                    c, route, qps, reqs, random.Random(int(qps * 1000)), max_tokens=a.goodput_tokens,
+                    ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S,
+                )  # fmt: skip
+                elapsed = p["elapsed_s"]
+                p["errors"] = [str(r)[:200] for r in results if isinstance(r, Exception)]
+                p["throughput_rps"] = p["completed"] / elapsed if elapsed > 0 else 0.0
+                p["goodput_rps"] = p["within_slo"] / elapsed if elapsed > 0 else 0.0
                 points.append(p)
-                chk.say(f"goodput {route} at {qps} QPS: {len(ok)}/{len(reqs)} done, TTFT p50 {p['ttft_p50']:.3f} s")
+                chk.say(f"goodput {route} at {qps} QPS: {p['completed']}/{len(reqs)} done, TTFT p50 {p['ttft_p50']:.3f} s")
     rows = [(p["route"], p["offered_qps"], f"{p['completed']}/{p['requests']}", p["ttft_p50"], p["ttft_p99"],
              p["tpot_p50"] * 1e3, p["tpot_p99"] * 1e3, p["encode_p50"] * 1e3, p["throughput_rps"], p["goodput_rps"],
              "yes" if p["meets_slo"] else "no") for p in points]  # fmt: skip
