@@ -98,7 +98,6 @@ class Cluster:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.log_dir = Path(spec.log_dir) if spec.log_dir else None
         self.address = spec.address
-        self._broker_cfg: BrokerConfig | None = None
         self.keys_dir = spec.keys_dir
 
     def _spawn(self, name: str, kind: str, cfg: object) -> Child:
@@ -174,7 +173,6 @@ class Cluster:
         bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure)
         if self.spec.metrics:
             bcfg = dataclasses.replace(bcfg, metrics_address=self.spec.metrics)
-        self._broker_cfg = bcfg
         say(f"starting broker on {self.address}")
         broker = self._spawn("broker", "broker", bcfg)
         want = {"encoder": self.spec.encoders, "pd": self.spec.pds, "both": self.spec.both}
@@ -275,8 +273,7 @@ class Cluster:
         else:
             old.proc.terminate()
             old.proc.wait(15)
-        self.children.remove(old)
-        self._spawn("broker", "broker", self._broker_cfg)
+        self.respawn(old)
 
     def client(self, **kw) -> AsyncClient:
         """A client with this cluster's keys."""

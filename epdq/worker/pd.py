@@ -138,9 +138,8 @@ class PDWorker:
         self.cuda_reader: Any = None
         self.cuda_reads = 0
         self._warned_rings: set[str] = set()
-        # set when the engine is dead for good (vLLM's EngineCore process gone): the runner then
-        # leaves the broker, which re-queues what had not streamed, and the process exits non-zero
-        self.engine_gone = asyncio.Event()
+        # why the engine is dead for good (vLLM's EngineCore process gone), once it is: the runner
+        # then leaves the broker, which re-queues what had not streamed, and the process exits non-zero
         self.death = ""
         if self.device.type == "cuda":
             from epdq.ring_cuda import CudaRingReader
@@ -208,12 +207,11 @@ class PDWorker:
                 )  # fmt: skip
 
     def check_engine(self) -> bool:
-        """True (and `engine_gone` set) once the engine is dead for good."""
+        """True (and `death` set) once the engine is dead for good."""
         if not self.death and getattr(self.engine, "dead", False):
             self.death = str(getattr(self.engine, "dead_reason", "") or "the engine process is gone")
             log.error("engine dead (%s): leaving the broker; its requests go to other workers", self.death,
                       extra={"event": "engine_dead"})  # fmt: skip
-            self.engine_gone.set()
         return bool(self.death)
 
     @staticmethod
