@@ -44,6 +44,7 @@ from epdq.benchmarks.report import Progress, table, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
+DEFAULT_TOPOLOGIES = (1, 2, 3, 4)  # N in "1 encoder + N PD vs N+1 colocated"
 
 
 def scaled_slos(cm: CostModel, tpot_slack: float) -> tuple[float, float]:
@@ -133,6 +134,7 @@ def _positive(v: Any) -> bool:
 def _check_cost_args(
     *, n_pd: int, tpot_slack: float, ttft_slo: float | None, tpot_slo: float | None, qps_grid: list[float] | None,
     window_s: float, min_requests: int, refine: int, sensitivity: list[float] | None,
+    topologies: list[int] | None = None,
 ) -> None:  # fmt: skip
     """ValueError naming the first bad argument (the workload's own fields are checked by Workload)."""
     if not (isinstance(n_pd, int) and 1 <= n_pd <= 1024):
@@ -150,6 +152,8 @@ def _check_cost_args(
         raise ValueError("min_requests must be >= 1 and refine >= 0")
     if sensitivity is not None and not all(_positive(x) and x >= 1 for x in sensitivity):
         raise ValueError(f"sensitivity TPOT slacks must be >= 1, not {sensitivity!r}")
+    if topologies is not None and not all(isinstance(n, int) and 1 <= n <= 64 for n in topologies):
+        raise ValueError(f"topology PD counts must be integers in 1..64, not {topologies!r}")
 
 
 def run_cost(
@@ -157,10 +161,11 @@ def run_cost(
     output_tokens: int = 128, repeat_fraction: float = 0.5, hot_set: int = 32, tpot_slack: float = 1.5,
     ttft_slo: float | None = None, tpot_slo: float | None = None, qps_grid: list[float] | None = None,
     window_s: float = 120.0, min_requests: int = 200, refine: int = 4, sensitivity: list[float] | None = None,
-    cost: CostModel | None = None, seed: int = 0, progress=None,
+    topologies: list[int] | None = None, cost: CostModel | None = None, seed: int = 0, progress=None,
 ) -> dict[str, Any]:  # fmt: skip
     _check_cost_args(n_pd=n_pd, tpot_slack=tpot_slack, ttft_slo=ttft_slo, tpot_slo=tpot_slo, qps_grid=qps_grid,
-                     window_s=window_s, min_requests=min_requests, refine=refine, sensitivity=sensitivity)  # fmt: skip
+                     window_s=window_s, min_requests=min_requests, refine=refine, sensitivity=sensitivity,
+                     topologies=topologies)  # fmt: skip
     cm = cost or CostModel()
     t_slo, p_slo = scaled_slos(cm, tpot_slack)
     ttft_slo = ttft_slo if ttft_slo is not None else t_slo
@@ -173,8 +178,10 @@ def run_cost(
     )
     wl4 = Workload(images_per_request, image_size, text_tokens, output_tokens, 0.0, hot_set, seed)
     wlr = replace(wl4, repeat_fraction=repeat_fraction)
+    # N = n_pd is the main scenario; the others only change how many PD workers share the one encoder
+    topologies = sorted(set(DEFAULT_TOPOLOGIES if topologies is None else topologies) - {n_pd})
     sizes = {"encoders": 1, "pds": n_pd, "both": n_pd + 1}
-    n_sweeps = 5 + 2 * len(sensitivity)
+    n_sweeps = 5 + 2 * len(sensitivity) + 2 * len(topologies)
     bar = (
         progress
         if progress is not None
@@ -213,6 +220,14 @@ def run_cost(
             g[system] = s.goodput(grid, refine)["goodput_rps"]
         sens.append({"tpot_slack": round(slack, 2), "ttft_slo_s": ts, "tpot_slo_s": ps, "epd_goodput": g["epd"],
                      "colocated_goodput": g["colocated"], "ratio": _ratio(g["epd"], g["colocated"])})  # fmt: skip
+    topo = [_topology_row(n_pd, summary["epd_4img"], summary["colocated_4img"], sweeps["epd_4img"])]
+    for n in topologies:
+        sz_n = {"encoders": 1, "pds": n, "both": n + 1}
+        kw = common | {"sizes": sz_n}
+        epd = _Sweep(f"epd_{n}pd", "epd", cm, wl4, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **kw)
+        col = _Sweep(f"colocated_{n + 1}", "colocated", cm, wl4, ttft_slo=ttft_slo, tpot_slo=tpot_slo, **kw)
+        topo.append(_topology_row(n, epd.goodput(grid, refine), col.goodput(grid, refine), epd))
+    topo.sort(key=lambda r: r["n_pd"])
     if progress is None:
         bar.advance(bar.total - bar.done)
     e4, c4 = summary["epd_4img"]["goodput_rps"], summary["colocated_4img"]["goodput_rps"]
@@ -241,9 +256,21 @@ def run_cost(
         "epd_over_colocated_4img": _ratio(e4, c4),
         "cache_gain": _ratio(rc, rn),
         "sensitivity_tpot_slack": sens,
+        "topology": topo,
         "curves": {name: s.curve() for name, s in sweeps.items()},
         "window_s": window_s,
     }
+
+
+def _topology_row(n: int, epd: dict[str, Any], col: dict[str, Any], epd_sweep: _Sweep) -> dict[str, Any]:
+    """One row of the topology table: 1E+nPD against n+1 colocated, and which EPD stage is the limit."""
+    p = epd_sweep.points.get(round(epd["max_qps_meeting_slo"], 3))
+    enc = _mean(p.extra["encoder_util"].values()) if p is not None else None
+    tpot = p.tpot_p99 if p is not None else None
+    return {"n_pd": n, "epd": f"1 encoder + {n} PD", "colocated": f"{n + 1} colocated",
+            "epd_goodput": epd["goodput_rps"], "colocated_goodput": col["goodput_rps"],
+            "ratio": _ratio(epd["goodput_rps"], col["goodput_rps"]),
+            "encoder_util_at_goodput": enc, "epd_tpot_p99_at_goodput": tpot}  # fmt: skip
 
 
 def _ratio(a: float, b: float) -> float:
@@ -294,6 +321,23 @@ def _print_cost(res: dict[str, Any]) -> None:
              f"{r['ratio']:.2f}x"] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
     print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
                 rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
+    topo = res.get("topology") or []
+    if len(topo) > 1:
+        rows = [[r["epd"], r["colocated"], r["epd_goodput"], r["colocated_goodput"], f"{r['ratio']:.2f}x",
+                 _pct(r["encoder_util_at_goodput"]),
+                 "-" if r["epd_tpot_p99_at_goodput"] is None else r["epd_tpot_p99_at_goodput"] * 1e3]
+                for r in topo]  # fmt: skip
+        print(table(["EPD", "colocated", "EPD goodput", "colocated goodput", "EPD/colocated", "encoder busy",
+                     "EPD TPOT p99 ms"], rows,
+                    title=f"Topology: how many PD workers one encoder feeds ({k}/req, default SLO)"))  # fmt: skip
+        best = max(topo, key=lambda r: r["ratio"] if math.isfinite(r["ratio"]) else -1.0)
+        print(f"(at EPD's goodput point: an encoder near 100 % busy limits EPD; a TPOT p99 near the SLO, "
+              f"{res['slo']['tpot_p99_s'] * 1e3:.1f} ms, means its PD workers do)\n"
+              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {best['ratio']:.2f}x")  # fmt: skip
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f} %"
 
 
 # ---------------------------------------------------------------- entry points
@@ -396,6 +440,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                     help="seconds of arrivals per load point (default 120 simulated; --real: 8 real)")
     ap.add_argument("--qps", default="", help="comma-separated offered loads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--topologies", default=",".join(map(str, DEFAULT_TOPOLOGIES)),
+                    help="values of N for the topology table, comma-separated, or 'none' (cost model only; "
+                    "default %(default)s)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
         qps = [float(x) for x in a.qps.split(",") if x.strip()] or None
@@ -425,19 +472,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real=real)
         return 0
     n_pd = 3 if a.pd is None else a.pd
+    try:
+        topologies = [] if a.topologies.strip().lower() == "none" else [int(x) for x in a.topologies.split(",")]
+    except ValueError:
+        ap.error(f"--topologies must be integers separated by commas, or none, not {a.topologies!r}")
     images = 4 if a.images is None else a.images
     output_tokens = 128 if a.output_tokens is None else a.output_tokens
     kw: dict[str, Any] = dict(n_pd=n_pd, images_per_request=images, image_size=(w, h), text_tokens=a.text_tokens,
                               output_tokens=output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
                               tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
-                              qps_grid=qps)  # fmt: skip
+                              qps_grid=qps, topologies=topologies)  # fmt: skip
     window = 120.0 if a.window is None else a.window
     if not a.quick:
         kw["window_s"] = window
     try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
         Workload(images, (w, h), a.text_tokens, output_tokens, a.repeat_fraction, a.hot_set, a.seed)
         _check_cost_args(n_pd=n_pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
-                         window_s=window, min_requests=1, refine=0, sensitivity=None)  # fmt: skip
+                         window_s=window, min_requests=1, refine=0, sensitivity=None,
+                         topologies=topologies)  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)

@@ -25,6 +25,8 @@ BAD_ARGS = [
     ("goodput", ["--qps", "1,x"], "--qps must be numbers"),
     ("goodput", ["--qps", "-2"], "--qps values must be > 0"),
     ("goodput", ["--pd", "0"], "the number of PD workers must be 1..1024"),
+    ("goodput", ["--topologies", "1,x"], "--topologies must be integers"),
+    ("goodput", ["--topologies", "0"], "topology PD counts must be integers in 1..64"),
     ("goodput", ["--tpot-slack", "0.5"], "tpot_slack must be >= 1"),
     ("goodput", ["--repeat-fraction", "1.5"], "repeat_fraction must be in [0, 1]"),
     ("goodput", ["--output-tokens", "0"], "output_tokens must be an integer"),

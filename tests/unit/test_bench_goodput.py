@@ -11,7 +11,7 @@ from epdq.benchmarks.costmodel import CostModel, Simulation, Workload, make_requ
 def test_cost_goodput_tiny(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     res = goodput.run(kind="cost", out_dir=str(tmp_path), qps_grid=[1.0, 40.0], window_s=5.0, min_requests=8,
-                      refine=1, sensitivity=[1.5])  # fmt: skip
+                      refine=1, sensitivity=[1.5], topologies=[1, 3])  # fmt: skip
     data = json.loads((tmp_path / "goodput.json").read_text())
     assert (tmp_path / "goodput.png").stat().st_size > 0
     for key in ("cost_model", "workload", "slo", "summary", "curves", "epd_over_colocated_4img", "cache_gain",
@@ -24,8 +24,12 @@ def test_cost_goodput_tiny(tmp_path, capsys):
         for p in curve:
             for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_rps", "meets_slo"):
                 assert k in p
+    assert [r["n_pd"] for r in data["topology"]] == [1, 3]  # N = 3 is the main scenario, not run twice
+    assert data["topology"][1]["epd_goodput"] == data["summary"]["epd_4img"]["goodput_rps"]
+    assert data["topology"][0]["colocated"] == "2 colocated"
     assert res["kind"] == "cost"
-    assert "Goodput" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Goodput" in out and "Topology" in out and "Best ratio in this table" in out
 
 
 @pytest.mark.parametrize("system", ["epd", "colocated"])
