@@ -381,9 +381,11 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    fig, grid = plt.subplots(2, 3, figsize=(17, 9))
+    ax = [row[:2] for row in grid]
     slo = res["slo"]
-    styles = {"epd_4img": ("EPD 1E+3PD", "C0", "-"), "colocated_4img": ("4 colocated", "C1", "-"),
+    epd, col = res["systems"]["epd"].replace(" encoder + ", "E+").replace(" PD", "PD"), res["systems"]["colocated"]
+    styles = {"epd_4img": (f"EPD {epd}", "C0", "-"), "colocated_4img": (col, "C1", "-"),
               "epd_repeat_cache": ("EPD, cache", "C0", "--"), "epd_repeat_nocache": ("EPD, no cache", "C2", "--"),
               "colocated_repeat": ("colocated", "C1", "--")}  # fmt: skip
     for name, (label, color, ls) in styles.items():
@@ -404,14 +406,45 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
     ax[1][0].set_yscale("log")
     ax[1][0].set_title(f"{k}/request: P99 TTFT (s)")
-    for a in ax.flat:
+    for a in (ax[0][0], ax[0][1], ax[1][0], ax[1][1]):
         a.set_xlabel("offered load (requests/s)")
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
+    _plot_ratios(grid[0][2], grid[1][2], res, k)
     fig.suptitle("epdq goodput, cost model (simulated, real scheduler)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
+    """Right-hand column: EPD/colocated goodput against the topology and against the TPOT SLO."""
+    topo = res.get("topology") or []
+    if topo:
+        x = range(len(topo))
+        top.bar([i - 0.2 for i in x], [r["epd_goodput"] for r in topo], 0.4, color="C0", label="EPD 1E + N PD")
+        top.bar([i + 0.2 for i in x], [r["colocated_goodput"] for r in topo], 0.4, color="C1",
+                label="N+1 colocated")  # fmt: skip
+        for i, r in zip(x, topo, strict=True):
+            top.annotate(f"{r['ratio']:.2f}x", (i, max(r["epd_goodput"], r["colocated_goodput"])),
+                         ha="center", va="bottom", fontsize=9)  # fmt: skip
+        top.set_xticks(list(x), [f"N={r['n_pd']}" for r in topo])
+        top.set_ylim(0, 1.12 * max(max(r["epd_goodput"], r["colocated_goodput"]) for r in topo) or 1)
+        top.legend(fontsize=8)
+    top.set_title(f"{k}/request: goodput by topology (req/s)")
+    top.grid(alpha=0.3, axis="y")
+    sens = res.get("sensitivity_tpot_slack") or []
+    bottom.plot([r["tpot_slo_s"] * 1e3 for r in sens], [r["ratio"] for r in sens], "o-", color="C0")
+    bottom.axhline(1.0, color="grey", ls=":")
+    bottom.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    bottom.xaxis.set_major_formatter(ScalarFormatter())
+    bottom.xaxis.set_minor_formatter(NullFormatter())
+    bottom.set_xticks([r["tpot_slo_s"] * 1e3 for r in sens], [f"{r['tpot_slo_s'] * 1e3:.3g}" for r in sens])
+    bottom.set_xlabel("P99 TPOT SLO (ms)")
+    bottom.set_title(f"{k}/request: EPD / colocated goodput vs TPOT SLO")
+    bottom.grid(alpha=0.3)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.goodput") -> int:
