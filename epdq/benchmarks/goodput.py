@@ -18,7 +18,9 @@ Two kinds:
   SLOs: vLLM's EPD evaluation uses P99 TTFT <= 20 s and P99 TPOT <= 100 ms for a 4B model; they
   are scaled for the small model of the cost model: TPOT SLO = `tpot_slack` x its unloaded TPOT,
   TTFT SLO = 20 s x (TPOT SLO / 100 ms). A sensitivity table shows the EPD/colocated ratio as the
-  TPOT slack varies (the ratio is a tail-latency isolation effect; see the notes in the output).
+  TPOT slack varies (the ratio is a tail-latency isolation effect; see the notes in the output),
+  and a topology table the same ratio for 1 encoder + N PD against N+1 colocated over several N
+  (`--topologies`), with the encoder's use and EPD's TPOT at its goodput: which stage limits it.
 * `real` (`--real`, `epdq.benchmarks.goodput_real`): the tiny random Qwen2-VL on CPU, real
   processes in one cluster: 1 encoder + N PD workers (route "epd") and N+1 colocated workers
   (route "colocated"), a short Poisson run per offered load on each. The tiny model's vision
