@@ -42,7 +42,8 @@ from typing import Any
 
 from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
 from epdq.benchmarks.goodput_real import RealConfig, plot_real, print_real, run_real
-from epdq.benchmarks.report import Progress, table, write_json
+from epdq.benchmarks.goodput_report import plot_cost, print_cost
+from epdq.benchmarks.report import Progress, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
@@ -279,69 +280,6 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (math.inf if a > 0 else math.nan)
 
 
-def _images_label(res: dict[str, Any]) -> str:
-    # the "_4img" keys of the JSON name the main scenario, which runs at --images per request
-    n = res["workload"]["images_per_request"]
-    return f"{n} image" + ("" if n == 1 else "s")
-
-
-def _print_cost(res: dict[str, Any]) -> None:
-    s = res["summary"]
-    slo = res["slo"]
-    u = res["unloaded"]
-    k = _images_label(res)
-    print(f"\nCost model (simulated, real scheduler): encode {k} {u['encode_request_s'] * 1e3:.0f} ms, "
-          f"prefill {u['prefill_request_s'] * 1e3:.0f} ms, unloaded TPOT {u['tpot_s'] * 1e3:.1f} ms; "
-          f"SLO P99 TTFT <= {slo['ttft_p99_s']:.2f} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
-    labels = {
-        "epd_4img": f"EPD {res['systems']['epd']}, {k}/req",
-        "colocated_4img": f"{res['systems']['colocated']}, {k}/req",
-        "epd_repeat_cache": "EPD, 50% repeated images, cache",
-        "epd_repeat_nocache": "EPD, 50% repeated images, no cache",
-        "colocated_repeat": "colocated, 50% repeated images",
-    }
-    rows = []
-    for name, label in labels.items():
-        g = s[name]
-        p = next((c for c in res["curves"][name] if c["offered_qps"] == g["max_qps_meeting_slo"]), None)
-        rows.append([label, g["max_qps_meeting_slo"], g["goodput_rps"],
-                     p["ttft_p50"] if p else math.nan, p["ttft_p99"] if p else math.nan,
-                     p["tpot_p50"] * 1e3 if p else math.nan, p["tpot_p99"] * 1e3 if p else math.nan])  # fmt: skip
-    print(table(["system", "max QPS in SLO", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
-                 "TPOT p99 ms"], rows, title="Goodput (at the highest offered load meeting both P99 SLOs)"))  # fmt: skip
-    print(
-        f"EPD / colocated goodput, {k} per request: {res['epd_over_colocated_4img']:.2f}x; "
-        f"cache gain on the repeated-image workload: {res['cache_gain']:.2f}x"
-    )
-    for name in ("epd_4img", "colocated_4img"):
-        rows = [[c["offered_qps"], c["goodput_rps"], c["ttft_p50"], c["ttft_p99"], c["tpot_p50"] * 1e3,
-                 c["tpot_p99"] * 1e3, c["engine_util_mean"], c["engine_encode_share_mean"],
-                 "yes" if c["meets_slo"] else "no"] for c in res["curves"][name]]  # fmt: skip
-        print(table(["offered QPS", "goodput", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "engine busy",
-                     "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
-    rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], r["epd_goodput"], r["colocated_goodput"],
-             f"{r['ratio']:.2f}x"] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
-    print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
-                rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
-    topo = res.get("topology") or []
-    if len(topo) > 1:
-        rows = [[r["epd"], r["colocated"], r["epd_goodput"], r["colocated_goodput"], f"{r['ratio']:.2f}x",
-                 _pct(r["encoder_util_at_goodput"]),
-                 "-" if r["epd_tpot_p99_at_goodput"] is None else r["epd_tpot_p99_at_goodput"] * 1e3]
-                for r in topo]  # fmt: skip
-        print(table(["EPD", "colocated", "EPD goodput", "colocated goodput", "EPD/colocated", "encoder busy",
-                     "EPD TPOT p99 ms"], rows,
-                    title=f"Topology: how many PD workers one encoder feeds ({k}/req, default SLO)"))  # fmt: skip
-        best = max(topo, key=lambda r: r["ratio"] if math.isfinite(r["ratio"]) else -1.0)
-        print(f"(at EPD's goodput point: an encoder near 100 % busy limits EPD; a TPOT p99 near the SLO, "
-              f"{res['slo']['tpot_p99_s'] * 1e3:.1f} ms, means its PD workers do)\n"
-              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {best['ratio']:.2f}x")  # fmt: skip
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v * 100:.0f} %"
-
-
 # ---------------------------------------------------------------- entry points
 
 
@@ -357,7 +295,7 @@ def run(
         if quick:
             cost_kw = {"window_s": 30.0, "min_requests": 60, "refine": 2, "sensitivity": [1.5, 3.0]} | cost_kw
         res = run_cost(progress=progress, **cost_kw)
-        _print_cost(res)
+        print_cost(res)
     else:
         say = (lambda m: print(m, file=sys.stderr)) if progress is None else (lambda _m: progress.advance(0))
         res = asyncio.run(run_real(real or RealConfig(), log=say))
@@ -367,86 +305,13 @@ def run(
     png = out / ("goodput.png" if kind == "cost" else "goodput-real.png")
     if plot:
         try:
-            (_plot if kind == "cost" else plot_real)(res, png)
+            (plot_cost if kind == "cost" else plot_real)(res, png)
             res["plot"] = str(png)
         except ImportError as e:  # matplotlib is the bench extra
             print(f"no plot: {e}", file=sys.stderr)
     write_json(out / name, "goodput", res)
     print(f"\nwrote {out / name}" + (f" and {png}" if "plot" in res else ""))
     return res
-
-
-def _plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, grid = plt.subplots(2, 3, figsize=(17, 9))
-    ax = [row[:2] for row in grid]
-    slo = res["slo"]
-    epd, col = res["systems"]["epd"].replace(" encoder + ", "E+").replace(" PD", "PD"), res["systems"]["colocated"]
-    styles = {"epd_4img": (f"EPD {epd}", "C0", "-"), "colocated_4img": (col, "C1", "-"),
-              "epd_repeat_cache": ("EPD, cache", "C0", "--"), "epd_repeat_nocache": ("EPD, no cache", "C2", "--"),
-              "colocated_repeat": ("colocated", "C1", "--")}  # fmt: skip
-    for name, (label, color, ls) in styles.items():
-        c = res["curves"][name]
-        q = [p["offered_qps"] for p in c]
-        target = ax[0][0] if name.endswith("4img") else ax[1][1]
-        target.plot(q, [p["goodput_rps"] for p in c], ls, color=color, marker="o", ms=3, label=label)
-        if name.endswith("4img"):
-            ax[0][1].plot(
-                q, [p["tpot_p99"] * 1e3 for p in c], ls, color=color, marker="o", ms=3, label=label
-            )
-            ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
-    k = _images_label(res)
-    ax[0][0].set_title(f"{k}/request: goodput (within both SLOs)")
-    ax[1][1].set_title("50% repeated images: goodput")
-    ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
-    ax[0][1].set_title(f"{k}/request: P99 TPOT (ms)")
-    ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
-    ax[1][0].set_yscale("log")
-    ax[1][0].set_title(f"{k}/request: P99 TTFT (s)")
-    for a in (ax[0][0], ax[0][1], ax[1][0], ax[1][1]):
-        a.set_xlabel("offered load (requests/s)")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    _plot_ratios(grid[0][2], grid[1][2], res, k)
-    fig.suptitle("epdq goodput, cost model (simulated, real scheduler)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
-    """Right-hand column: EPD/colocated goodput against the topology and against the TPOT SLO."""
-    topo = res.get("topology") or []
-    if topo:
-        x = range(len(topo))
-        top.bar([i - 0.2 for i in x], [r["epd_goodput"] for r in topo], 0.4, color="C0", label="EPD 1E + N PD")
-        top.bar([i + 0.2 for i in x], [r["colocated_goodput"] for r in topo], 0.4, color="C1",
-                label="N+1 colocated")  # fmt: skip
-        for i, r in zip(x, topo, strict=True):
-            top.annotate(f"{r['ratio']:.2f}x", (i, max(r["epd_goodput"], r["colocated_goodput"])),
-                         ha="center", va="bottom", fontsize=9)  # fmt: skip
-        top.set_xticks(list(x), [f"N={r['n_pd']}" for r in topo])
-        top.set_ylim(0, 1.12 * max(max(r["epd_goodput"], r["colocated_goodput"]) for r in topo) or 1)
-        top.legend(fontsize=8)
-    top.set_title(f"{k}/request: goodput by topology (req/s)")
-    top.grid(alpha=0.3, axis="y")
-    sens = res.get("sensitivity_tpot_slack") or []
-    bottom.plot([r["tpot_slo_s"] * 1e3 for r in sens], [r["ratio"] for r in sens], "o-", color="C0")
-    bottom.axhline(1.0, color="grey", ls=":")
-    bottom.set_xscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
-
-    bottom.xaxis.set_major_formatter(ScalarFormatter())
-    bottom.xaxis.set_minor_formatter(NullFormatter())
-    bottom.set_xticks([r["tpot_slo_s"] * 1e3 for r in sens], [f"{r['tpot_slo_s'] * 1e3:.3g}" for r in sens])
-    bottom.set_xlabel("P99 TPOT SLO (ms)")
-    bottom.set_title(f"{k}/request: EPD / colocated goodput vs TPOT SLO")
-    bottom.grid(alpha=0.3)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.goodput") -> int:
