@@ -87,6 +87,10 @@ def worker(
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
     engine: str = typer.Option("auto", help="auto (vision tower / vLLM), hf (transformers PD engine) or noop."),
     heartbeat: float = typer.Option(1.0, help="Heartbeat interval to the broker, seconds."),
+    drain_timeout: float = typer.Option(
+        30.0, help="On SIGTERM: seconds to finish the work in hand (the broker sends nothing new) before "
+        "leaving; 0 leaves at once. Ctrl-C or a second SIGTERM stops at once."
+    ),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -101,7 +105,7 @@ def worker(
         cfg = WorkerConfig(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
             dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, fetch_advertise=fetch_advertise, threads=threads, engine=engine,
-            heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure,
+            heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure, drain_timeout_s=drain_timeout,
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
         raise typer.BadParameter(str(e)) from None
@@ -127,6 +131,9 @@ def up(
     metrics: str = typer.Option("", help="HOST:PORT for the broker's Prometheus /metrics and /health."),
     log_format: str = typer.Option("text", help="Child logs: text or json"),
     restarts: int = typer.Option(5, min=0, help="Times a process that exits is restarted (0: stop everything)."),
+    drain_timeout: float = typer.Option(
+        10.0, help="On Ctrl-C: seconds the workers get to finish what they hold (a second Ctrl-C stops at once)."
+    ),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
@@ -140,11 +147,12 @@ def up(
         spec = ClusterSpec(
             address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir,
             keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
-            log_format=log_format,
+            log_format=log_format, worker_defaults={"drain_timeout_s": drain_timeout},
         )  # fmt: skip
+        cluster = Cluster(spec)
+        cluster.worker_configs()  # every setting checked before anything starts
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    cluster = Cluster(spec)
 
     async def main() -> None:
         try:
@@ -161,8 +169,13 @@ def up(
             typer.echo("Ctrl-C stops everything.")
             await cluster.supervise(max_restarts=restarts, say=lambda m: typer.echo(f"  {m}"))
         finally:
-            typer.echo("stopping...")
-            cluster.stop()
+            typer.echo(f"stopping: the workers finish what they hold (at most {drain_timeout:g} s; "
+                       "Ctrl-C again stops at once)")  # fmt: skip
+            try:
+                cluster.stop()
+            except KeyboardInterrupt:
+                typer.echo("stopping now")
+                cluster.stop(now=True)
 
     try:
         asyncio.run(main())

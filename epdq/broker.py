@@ -303,10 +303,11 @@ class Broker:
             workers.append(
                 P.WorkerInfo(
                     w.worker_id, w.role.value, w.node, w.capacity, len(w.inflight), w.ring_capacity,
-                    beat.ring_used, beat.ring_pinned, beat.ring_entries,
+                    beat.ring_used, beat.ring_pinned, beat.ring_entries, w.draining,
                 )
             )  # fmt: skip
         gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
+        gauges["workers_draining"] = float(sum(w.draining for w in workers))
         gauges["uptime_s"] = time.monotonic() - self.started_at
         gauges["clients"] = float(len(self._clients))
         return P.Stats(nonce, counters, gauges, workers)
@@ -320,9 +321,10 @@ class Broker:
             if not name.startswith("workers_"):
                 out += render_family(f"epdq_{name}", "gauge", name.replace("_", " "), [({}, value)])
         roles = ("encoder", "pd", "both")
-        states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full")}
+        states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full", "draining")}
         for w in s.workers:
             st = "idle" if w.inflight == 0 else ("full" if w.inflight >= w.capacity else "busy")
+            st = "draining" if w.draining else st
             states[(w.role, st)] += 1
         out += render_family("epdq_workers", "gauge", "registered workers by role and state",
                              [({"role": r, "state": st}, v) for (r, st), v in states.items()])  # fmt: skip
@@ -395,6 +397,19 @@ class Broker:
     def _on_bye(self, identity: bytes, peer: _Peer | None, msg: P.Bye, payload: list[Any]) -> None:
         if peer is not None:
             self._drop_worker(peer, f"left ({msg.reason[:64]})")
+
+    def _on_drain(self, identity: bytes, peer: _Peer | None, msg: P.Drain, payload: list[Any]) -> None:
+        if not self._require_worker(identity, peer):
+            return
+        # the answer follows everything already decided for this worker (one ordered connection)
+        if self.scheduler.has_actions():
+            self._flush()
+        self._send(identity, P.Drain("ack"))
+        if self.scheduler.drain_worker(peer.worker_id):
+            w = self.scheduler.workers[peer.worker_id]
+            log.info("worker %s draining (%s): %d in flight, nothing new is sent to it", peer.worker_id,
+                     msg.reason[:64], len(w.inflight),
+                     extra={"event": "worker_draining", "worker": peer.worker_id})  # fmt: skip
 
     def _on_encoded(self, identity: bytes, peer: _Peer | None, msg: P.Encoded, payload: list[Any]) -> None:
         if not self._require_worker(identity, peer):
@@ -587,6 +602,7 @@ _HANDLERS = {
     P.Register: Broker._on_register,
     P.Heartbeat: Broker._on_heartbeat,
     P.Bye: Broker._on_bye,
+    P.Drain: Broker._on_drain,
     P.Encoded: Broker._on_encoded,
     P.EncodeFailed: Broker._on_encode_failed,
     P.Evicted: Broker._on_evicted,

@@ -27,6 +27,8 @@ from epdq.errors import BrokerUnavailableError
 from epdq.keys import ensure_cluster_keys
 from epdq.worker.runner import WorkerConfig
 
+CLUSTER_DRAIN_S = 10.0  # the workers' drain_timeout_s unless worker_defaults sets it
+
 
 @dataclass(slots=True)
 class ClusterSpec:
@@ -153,7 +155,8 @@ class Cluster:
         out = []
         for role, n in (("encoder", self.spec.encoders), ("pd", self.spec.pds), ("both", self.spec.both)):
             for i in range(n):
-                kw = dict(self.spec.worker_defaults)
+                # stop() waits 15 s per group: a worker's drain must end well before that
+                kw = {"drain_timeout_s": CLUSTER_DRAIN_S} | dict(self.spec.worker_defaults)
                 kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}",
                           keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:
@@ -291,15 +294,19 @@ class Cluster:
                 return ch
         raise KeyError(name)
 
-    def stop(self, timeout: float = 15.0) -> None:
-        # workers first, so they can say BYE and unlink their rings; the broker last
+    def stop(self, timeout: float = 15.0, *, now: bool = False) -> None:
+        """Workers first, so they can drain (SIGTERM: the broker still routes their last tokens),
+        say BYE and unlink their rings; the broker last. `now`: SIGINT, no drain."""
+        drain = 0.0 if now else float(self.spec.worker_defaults.get("drain_timeout_s", CLUSTER_DRAIN_S))
+        timeout = max(timeout, drain + 5.0)
+        sig = signal.SIGINT if now else signal.SIGTERM
         for group in (
             [c for c in self.children if c.name != "broker"],
             [c for c in self.children if c.name == "broker"],
         ):
             for ch in group:
                 if ch.proc.poll() is None:
-                    ch.proc.send_signal(signal.SIGTERM)
+                    ch.proc.send_signal(sig)
             end = time.monotonic() + timeout
             for ch in group:
                 try:

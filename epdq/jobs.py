@@ -37,10 +37,11 @@ class WorkerState:
     ring_capacity: int = 0
     inflight: set = field(default_factory=set)  # encode job ids, or request ids for PD roles
     listed: bool = False  # present in the free list of its role
+    draining: bool = False  # finishing what it holds before it leaves: given nothing new
 
     @property
     def credit(self) -> int:
-        return self.capacity - len(self.inflight)
+        return 0 if self.draining else self.capacity - len(self.inflight)
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 `python -m epdq.launch broker '<json BrokerConfig>'`, `... worker '<json WorkerConfig>'` or
 `... gateway '<json GatewayConfig>'`. The JSON is decoded strictly into the config dataclass, whose `__post_init__` validates it. SIGTERM
-and SIGINT stop the process cleanly (rings unlinked, BYE sent).
+and SIGINT stop the process cleanly (rings unlinked, BYE sent); on SIGTERM a worker first drains
+(the broker sends it nothing new and it finishes what it holds, see `run_worker`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,22 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def _install_stop(stop: asyncio.Event) -> None:
+def _install_stop(stop: asyncio.Event, stop_now: asyncio.Event | None = None) -> None:
+    """SIGTERM sets `stop` (a worker then drains); SIGINT, or a second SIGTERM, also sets `stop_now`."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    now = stop_now or asyncio.Event()
+
+    def on_term() -> None:
+        if stop.is_set():
+            now.set()
+        stop.set()
+
+    def on_int() -> None:
+        now.set()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_int)
 
 
 async def serve_broker(cfg) -> None:
@@ -52,9 +65,9 @@ async def serve_broker(cfg) -> None:
 async def serve_worker(cfg) -> None:
     from epdq.worker.runner import run_worker
 
-    stop = asyncio.Event()
-    _install_stop(stop)
-    await run_worker(cfg, stop=stop, on_loaded=freeze_heap)
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+    _install_stop(stop, stop_now)
+    await run_worker(cfg, stop=stop, on_loaded=freeze_heap, stop_now=stop_now)
 
 
 def run(coro) -> None:

@@ -19,7 +19,7 @@ import msgspec
 
 from epdq.errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens
+PROTOCOL_VERSION = 4  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
@@ -42,6 +42,7 @@ class MsgType(IntEnum):
     REGISTERED = 21
     HEARTBEAT = 22
     BYE = 23
+    DRAIN = 24  # worker -> broker: send me nothing new; BYE follows once my work is done
     # encoder <-> broker
     ENCODE = 30
     ENCODED = 31
@@ -157,6 +158,7 @@ class WorkerInfo(_S):
     ring_used: int = 0
     ring_pinned: int = 0
     ring_entries: int = 0
+    draining: bool = False
 
 
 class Stats(_S):
@@ -214,6 +216,10 @@ class Heartbeat(_S):
 
 
 class Bye(_S):
+    reason: str = ""
+
+
+class Drain(_S):
     reason: str = ""
 
 
@@ -355,6 +361,7 @@ SCHEMAS: dict[MsgType, type[_S]] = {
     MsgType.REGISTERED: Registered,
     MsgType.HEARTBEAT: Heartbeat,
     MsgType.BYE: Bye,
+    MsgType.DRAIN: Drain,
     MsgType.ENCODE: Encode,
     MsgType.ENCODED: Encoded,
     MsgType.ENCODE_FAILED: EncodeFailed,

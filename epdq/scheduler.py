@@ -164,6 +164,23 @@ class Scheduler:
         self._list_free(w)
         self.dispatch()
 
+    def drain_worker(self, worker_id: str) -> bool:
+        """The worker finishes what it holds and then leaves: it gets no new jobs or requests.
+        A draining encoder's unpinned entries leave the index now, so that no new request comes
+        to depend on a ring that is about to go away (pinned ones serve the requests holding them).
+        Returns False for an unknown or already draining worker."""
+        w = self.workers.get(worker_id)
+        if w is None or w.draining:
+            return False
+        w.draining = True  # credit 0: never popped from the free list again
+        if w.role is Role.ENCODER:
+            for key in list(self._by_encoder.get(worker_id, ())):
+                entry = self.index.get(key)
+                if entry is not None and not entry.pinned and entry.ref.encoder_id == worker_id:
+                    self._drop_entry(key)
+        self.dispatch()
+        return True
+
     def remove_worker(self, worker_id: str, reason: str = "lost") -> None:
         w = self.workers.pop(worker_id, None)
         if w is None:

@@ -62,10 +62,12 @@ def render(s: dict[str, Any], address: str) -> str:
         ring = f"{w.get('ring_used', 0) / mib:.1f}/{w.get('ring_capacity', 0) / mib:.0f}" if w.get("ring_capacity") else "-"
         pinned = f"{w.get('ring_pinned', 0) / mib:.1f}" if w.get("ring_capacity") else "-"
         lines.append(
-            f"{w['worker_id'][:28]:<28} {w['role']:<8} {w['node'][:14]:<14} "
+            f"{w['worker_id'][:28]:<28} {w['role'] + ('*' if w.get('draining') else ''):<8} {w['node'][:14]:<14} "
             f"{w['inflight']:>4}/{w['capacity']:<4} {ring:>18} {pinned:>10}"
         )
     q, c, r = s["queues"], s["cache"], s["requests"]
+    if any(w.get("draining") for w in s["workers"]):
+        lines.append("(* draining: finishing its work before it leaves; nothing new is sent to it)")
     lines += [
         "",
         f"queues: waiting for encode {q['waiting_for_encode']:.0f}, ready for PD {q['ready_for_pd']:.0f}, "

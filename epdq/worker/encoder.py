@@ -68,6 +68,12 @@ class EncoderWorker:
         self.link: Any = None  # BrokerLink, set by the runner
         self._ring_kind = getattr(ring, "kind", "")  # "" = the shared-memory ring; "cuda" = epdq.ring_cuda
         self.encoded = 0
+        self._encoding = False
+
+    def idle(self) -> bool:
+        """No job in hand and no entry pinned for a request (a draining encoder may leave: PD
+        workers no longer need its ring)."""
+        return not (self._jobs or self._blocked or self._encoding) and self.ring.pinned_bytes == 0
 
     def open_fetch_socket(self) -> str:
         sock = make_socket(
@@ -125,12 +131,15 @@ class EncoderWorker:
                 continue
             batch = list(self._jobs)
             self._jobs.clear()
+            self._encoding = True
             try:
                 await self._encode_batch(batch)
             except Exception as e:  # no single job may end the loop
                 log.exception("encode batch failed")
                 for job in batch:
                     self._fail(job, _as_epdq_error(e))
+            finally:
+                self._encoding = False
             if self._jobs:
                 self._wake.set()
 

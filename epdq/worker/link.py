@@ -59,6 +59,8 @@ class BrokerLink:
         self.registered = asyncio.Event()
         self.closed = False
         self.reconnects = 0
+        self.draining = ""  # the reason given to the broker; said again after a re-registration
+        self.drain_acked = asyncio.Event()  # everything the broker sent before it knew has arrived
 
     def start(self) -> None:
         self._connect()
@@ -99,6 +101,10 @@ class BrokerLink:
             log.info("registered with broker %s as %s", self.address, self.register.worker_id)
             if self._on_registered is not None:
                 self._on_registered(self.registrations > 1)
+            if self.draining:
+                self.send(P.Drain(self.draining))
+        elif isinstance(msg, P.Drain):
+            self.drain_acked.set()
         elif isinstance(msg, P.Bye):
             log.warning("broker said bye (%s); registering again", msg.reason)
             self.registered.clear()
@@ -127,6 +133,13 @@ class BrokerLink:
                 continue
             backoff = self.heartbeat_s
             self.send(self._make_heartbeat())
+
+    def drain(self, reason: str) -> None:
+        """Ask the broker to send nothing new. Its answer (`drain_acked`) comes after everything
+        it had already sent, so once it is here no more work can arrive."""
+        self.draining = reason[:200] or "draining"
+        self.drain_acked.clear()
+        self.send(P.Drain(self.draining))
 
     def send(self, msg: Any, payload: list[Any] = (), *, copy: bool = True) -> None:
         if self._channel is None or self._channel.closed:

@@ -146,6 +146,10 @@ class PDWorker:
 
             self.cuda_reader = CudaRingReader(self.device)
 
+    def idle(self) -> bool:
+        """No request in hand (a draining worker may leave)."""
+        return not self._tasks
+
     def on_registered(self, again: bool) -> None:
         if again:
             # the broker that sent these requests is gone or forgot us: nobody waits for them

@@ -52,6 +52,9 @@ class WorkerConfig:
     noop_encode_s: float = 0.0  # noop engine: seconds per image encoded
     noop_prefill_s: float = 0.0  # noop engine: seconds per prefill
     noop_token_s: float = 0.0  # noop engine: seconds per output token
+    # SIGTERM: tell the broker to send nothing new and finish what is in hand, for at most this
+    # long, before leaving (0: leave at once; what had not streamed is re-queued elsewhere)
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -70,6 +73,8 @@ class WorkerConfig:
             raise ValueError(f"engine must be auto, hf or noop, got {self.engine!r}")
         if min(self.noop_encode_s, self.noop_prefill_s, self.noop_token_s) < 0:
             raise ValueError("noop delays must be >= 0")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError("drain_timeout_s must be in [0, 3600]")
         if not 1 <= self.threads <= 1024:
             raise ValueError("threads must be in [1, 1024]")
         if self.fetch_advertise:
@@ -157,24 +162,55 @@ def default_fetch_bind(security) -> str:
 
 
 async def run_worker(
-    cfg: WorkerConfig, *, stop: asyncio.Event | None = None, on_loaded: Callable[[], None] = lambda: None
-) -> None:
+    cfg: WorkerConfig, *, stop: asyncio.Event | None = None, on_loaded: Callable[[], None] = lambda: None,
+    stop_now: asyncio.Event | None = None,
+) -> None:  # fmt: skip
     """Serve until `stop` is set or the task is cancelled; `on_loaded` runs once the engine is
-    loaded, before the worker registers (the process entry point freezes the heap there)."""
+    loaded, before the worker registers (the process entry point freezes the heap there).
+
+    Once `stop` is set the worker drains (up to `cfg.drain_timeout_s`): the broker sends it
+    nothing new and it finishes what it holds; `stop_now` (Ctrl-C, a second SIGTERM) cuts that short."""
     from epdq.keys import security_for
 
     security = security_for("worker", keys_dir=cfg.keys_dir, insecure=cfg.insecure)
     model = resolve_model(cfg.model) if cfg.engine != "noop" else "noop"
     stop = stop or asyncio.Event()
+    stop_now = stop_now or asyncio.Event()
     if cfg.role == "encoder":
-        await _run_encoder(cfg, model, stop, security, on_loaded)
+        await _run_encoder(cfg, model, stop, security, on_loaded, stop_now)
     else:
-        await _run_pd(cfg, model, stop, security, on_loaded)
+        await _run_pd(cfg, model, stop, security, on_loaded, stop_now)
+
+
+async def _drain(link: BrokerLink, idle: Callable[[], bool], timeout_s: float, stop_now: asyncio.Event) -> None:
+    """Leave gracefully: the broker sends nothing new once it answers our DRAIN; wait until what
+    is in hand is done. Ends early (the caller then leaves as before: the broker re-queues what
+    had not streamed) on timeout, on `stop_now`, or when the broker is gone."""
+    if timeout_s <= 0 or stop_now.is_set() or not link.registered.is_set():
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    link.drain("shutting down")
+    log.info("draining: the broker sends nothing new; finishing the work in hand (at most %.0f s; "
+             "a second signal stops at once)", timeout_s)  # fmt: skip
+    while not (link.drain_acked.is_set() and idle()):
+        if stop_now.is_set():
+            log.warning("drain cut short: stopping now")
+            return
+        if loop.time() >= end:
+            log.warning("drain timed out after %.0f s with work in hand: leaving anyway", timeout_s)
+            return
+        if not link.registered.is_set():
+            log.warning("the broker went away while draining: leaving")
+            return
+        await asyncio.sleep(0.02)
+    log.info("drained: nothing in hand")
 
 
 async def _run_encoder(
-    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None]
-) -> None:
+    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None],
+    stop_now: asyncio.Event,
+) -> None:  # fmt: skip
     import torch
 
     from epdq.ring import RingWriter, cleanup_stale_segments
@@ -251,6 +287,7 @@ async def _run_encoder(
         loop_task = asyncio.create_task(worker.run())
         try:
             await _until(stop, loop_task)
+            await _drain(link, worker.idle, cfg.drain_timeout_s, stop_now)
         finally:
             loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -262,8 +299,9 @@ async def _run_encoder(
 
 
 async def _run_pd(
-    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None]
-) -> None:
+    cfg: WorkerConfig, model: str, stop: asyncio.Event, security, on_loaded: Callable[[], None],
+    stop_now: asyncio.Event,
+) -> None:  # fmt: skip
     from epdq.worker.pd import PDWorker
 
     colocated = cfg.role == "both"
@@ -312,6 +350,8 @@ async def _run_pd(
         watchdog = asyncio.create_task(_watch_engine(worker))
         try:
             await _until(stop, watchdog)
+            if not worker.death:
+                await _drain(link, worker.idle, cfg.drain_timeout_s, stop_now)
         finally:
             watchdog.cancel()
             if worker.death:  # BYE first: what was in flight is re-queued, not failed as cancelled

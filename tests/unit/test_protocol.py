@@ -18,7 +18,7 @@ def test_every_message_round_trips():
         _submit(0), P.Cancel("r"), P.StatsRequest(3), P.Tokens("r", [1, 2], "ab", "stop", P.Timings(0.1, 0.2, 1, 1, "epd")),
         P.Error("r", "busy", "full", 0.5), P.Stats(1, {"a": 1}, {"g": 0.5}, [P.WorkerInfo("w", "pd", "n", 4, 1)]),
         P.Register("w", "encoder", "n", 8, "scope", "m", 123, ring_segment="s", ring_capacity=1 << 20),
-        P.Ping(1), P.Pong(1, "b"), P.Registered("w", 1.0), P.Heartbeat(), P.Bye("x"), P.Encode(4, b"k" * 16), P.Encoded(4, ref, 0.01),
+        P.Ping(1), P.Pong(1, "b"), P.Registered("w", 1.0), P.Heartbeat(), P.Bye("x"), P.Drain("x"), P.Encode(4, b"k" * 16), P.Encoded(4, ref, 0.01),
         P.EncodeFailed(4, b"k", "invalid_input", "bad"), P.Pin([P.EntryId(b"k", 1)]), P.Unpin([]),
         P.Evicted([P.EntryId(b"k", 2)]), P.Prefill("r", [], P.Sampling(), 3.0, [ref]), P.Abort("r"),
         P.PdFailed("r", "stale", "m", [P.EntryId(b"k", 1)]), P.Fetch(1, b"k", 2, 0, 10), P.Fetched(1, "stale", "x"),

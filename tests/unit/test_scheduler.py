@@ -478,3 +478,57 @@ def test_a_ready_request_missing_an_embedding_waits_instead_of_wedging_dispatch(
     acts = s.take_actions()
     assert len(of(acts, SendEncode)) == 1 and s.requests["r1"].state is ReqState.WAITING
     assert s.gauges() == s.gauges_by_scan()
+
+
+def test_draining_pd_finishes_its_requests_and_gets_no_new_ones(clock):
+    s = make(clock, pd=2, pd_cap=2)
+    first = [of(submit(s, f"r{i}", []), SendPrefill)[0] for i in range(2)]
+    on_pd0 = [a.request.rid for a in first if a.worker_id == "pd-0"]
+    assert on_pd0 and s.drain_worker("pd-0") and not s.drain_worker("pd-0")  # once
+    assert not s.drain_worker("nobody")
+    later = [of(submit(s, f"x{i}", []), SendPrefill) for i in range(2)]
+    assert [a[0].worker_id for a in later if a] == ["pd-1"]  # pd-1's second slot; then the queue
+    assert s.gauges()["requests_ready"] == 1
+    for rid in on_pd0:  # what pd-0 holds still completes
+        s.on_tokens("pd-0", rid, finished=True)
+    assert not of(s.take_actions(), SendPrefill)  # its freed slot is not reused
+    assert s.workers["pd-0"].credit == 0 and not s.workers["pd-0"].inflight
+    s.remove_worker("pd-0", "left")  # its BYE: nothing to re-queue
+    assert not of(s.take_actions(), Fail)
+    s.on_tokens("pd-1", later[0][0].request.rid, finished=True)
+    assert len(of(s.take_actions(), SendPrefill)) == 1  # the queued one goes to pd-1
+
+
+def test_draining_encoder_gets_no_jobs_and_its_idle_entries_leave_the_index(clock):
+    s = make(clock, enc=2, enc_cap=1)
+    e1 = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    e2 = of(submit(s, "r2", [K(2)]), SendEncode)[0]
+    assert {e1.worker_id, e2.worker_id} == {"enc-0", "enc-1"}
+    mine = e1 if e1.worker_id == "enc-0" else e2
+    other = e2 if mine is e1 else e1
+    finish_encode(s, mine, gen=5)
+    s.on_tokens("pd-0", "r1" if mine is e1 else "r2", finished=True)  # enc-0's entry is unpinned
+    s.take_actions()
+    assert mine.job.key in s.index
+    assert s.drain_worker("enc-0")
+    assert mine.job.key not in s.index  # no new request comes to depend on a leaving ring
+    acts = submit(s, "r3", [mine.job.key, K(3)])  # a miss now; both jobs wait for enc-1
+    assert not of(acts, SendEncode) and s.gauges()["encode_queue"] == 2
+    jobs = of(finish_encode(s, other), SendEncode)  # enc-1's credit came back: one of them
+    assert [j.worker_id for j in jobs] == ["enc-1"]
+    jobs += of(finish_encode(s, jobs[0]), SendEncode)
+    assert [j.worker_id for j in jobs] == ["enc-1", "enc-1"]
+    assert {j.job.key for j in jobs} == {mine.job.key, K(3)}  # enc-0's old image is encoded again
+
+
+def test_draining_encoder_keeps_entries_that_requests_hold(clock):
+    s = make(clock, enc=1, pd=1, pd_cap=1)
+    submit(s, "busy", [])  # occupies the only PD slot: r1 will wait READY with its entry pinned
+    enc = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    finish_encode(s, enc, gen=3)
+    assert s.requests["r1"].state is ReqState.READY
+    s.drain_worker("enc-0")
+    assert K(1) in s.index and s.index[K(1)].pinned  # r1 still reads it from enc-0's ring
+    s.on_tokens("pd-0", "busy", finished=True)
+    acts = s.take_actions()
+    assert [a.request.rid for a in of(acts, SendPrefill)] == ["r1"]
