@@ -171,6 +171,7 @@ def template(rng: random.Random, t: T) -> tuple[P._S, list[bytes]]:
         T.REGISTERED: lambda: P.Registered("fuzz-w", 1.0),
         T.HEARTBEAT: lambda: P.Heartbeat(rng.randint(0, 10), 0, 0),
         T.BYE: lambda: P.Bye(_rstr(rng)),
+        T.DRAIN: lambda: P.Drain(_rstr(rng)),
         T.ENCODE: lambda: P.Encode(rng.randint(0, 2**64 - 1), _key(rng)),
         T.ENCODED: lambda: P.Encoded(rng.randint(0, 100), _ref(rng), 0.1),
         T.ENCODE_FAILED: lambda: P.EncodeFailed(rng.randint(0, 100), _key(rng), "invalid_input", "m"),
