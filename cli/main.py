@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -155,6 +156,8 @@ def up(
         raise typer.BadParameter(str(e)) from None
 
     async def main() -> None:
+        # SIGTERM (systemd, docker stop) stops like Ctrl-C: the workers drain first
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         try:
             await cluster.start(progress=lambda m: typer.echo(f"  {m}"))
             typer.echo(f"\nepdq is up. Connect to {address}   (logs: {cluster.log_dir})")
@@ -179,7 +182,7 @@ def up(
 
     try:
         asyncio.run(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         pass
     except (RuntimeError, TimeoutError) as e:  # a child that failed to start or died: its log lines say why
         typer.echo(f"error: {e}", err=True)

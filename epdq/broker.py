@@ -162,7 +162,8 @@ class Broker:
                 self._metrics.close()
             for peer in list(self.workers.values()):
                 self._send(peer.identity, P.Bye("broker shutting down"))
-            self.channel.close()
+            # linger: the BYEs must leave (a draining worker then stops waiting for us at once)
+            self.channel.close(linger_ms=200)
             auth = authenticator_for(self._ctx)
             if auth is not None:
                 auth.stop()

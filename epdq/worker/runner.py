@@ -189,7 +189,10 @@ async def _drain(link: BrokerLink, idle: Callable[[], bool], timeout_s: float, s
     if timeout_s <= 0 or stop_now.is_set() or not link.registered.is_set():
         return
     loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
+    start = loop.time()
+    end = start + timeout_s
+    # a live broker answers at once; one that does not is gone (its liveness check is slower)
+    ack_by = start + min(timeout_s, max(2.0, 2 * link.heartbeat_s))
     link.drain("shutting down")
     log.info("draining: the broker sends nothing new; finishing the work in hand (at most %.0f s; "
              "a second signal stops at once)", timeout_s)  # fmt: skip
@@ -200,7 +203,7 @@ async def _drain(link: BrokerLink, idle: Callable[[], bool], timeout_s: float, s
         if loop.time() >= end:
             log.warning("drain timed out after %.0f s with work in hand: leaving anyway", timeout_s)
             return
-        if not link.registered.is_set():
+        if not link.registered.is_set() or (not link.drain_acked.is_set() and loop.time() >= ack_by):
             log.warning("the broker went away while draining: leaving")
             return
         await asyncio.sleep(0.02)

@@ -60,7 +60,7 @@ def _sample(metrics: str, name: str, labels: str = "") -> float:
     raise AssertionError(f"{name}{labels} not in metrics:\n{metrics}")
 
 
-def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
+def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
     http_port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
@@ -136,10 +136,25 @@ def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
         )  # fmt: skip
         assert bad.returncode == 3 and "invalid_input" in bad.stderr
 
-        os.killpg(up.pid, signal.SIGINT)
+        # SIGTERM (as systemd or docker stop send; Ctrl-C takes the same path) while a long request
+        # streams: the workers drain, so it still completes in full
+        long = subprocess.Popen(
+            [*EPDQ, "generate", "Tell a long story.", "--image", str(image), "--address", addr, "--json",
+             "--max-tokens", "1500"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while _sample(_get(f"http://127.0.0.1:{metrics_port}/metrics")[1], "epdq_requests_running") < 1:
+            assert time.monotonic() < deadline and long.poll() is None, "the long request did not start"
+            time.sleep(0.02)
+        os.kill(up.pid, signal.SIGTERM)
+        out, err = long.communicate(timeout=60)
+        assert long.returncode == 0, err
+        long_result = json.loads(out)
+        assert long_result["finish_reason"] in ("length", "stop")
         rest, _ = up.communicate(timeout=60)
         assert up.returncode == 0, rest
         assert "stopping" in rest
+        assert "drained" in (tmp_path / "logs" / "pd-0.log").read_text()
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
@@ -155,8 +170,10 @@ def test_up_http_generate_status_and_ctrl_c_stops_everything(tmp_path):
         assert done[0]["prompt_tokens"] > 0
         upstream = done[0]["upstream_request_id"]  # the gateway's line names the broker's id
         done = [e for e in events if e.get("event") == "request_done" and e["logger"] == "epdq.broker"]
-        assert len(done) == 2, done  # the CLI's request and the gateway's, each with its id and timings
-        assert {e["request_id"] for e in done} == {result["request_id"], upstream}
+        # the CLI's request and the gateway's, each with its id and timings; and the long one
+        assert len(done) == 3, done
+        assert {e["request_id"] for e in done} == {result["request_id"], upstream, long_result["request_id"]}
+        done = [e for e in done if e["request_id"] != long_result["request_id"]]
         for e in done:
             assert e["route"] == "epd" and e["tokens"] == len(result["token_ids"]) and e["images"] == 1
             assert e["prompt_tokens"] > 0
