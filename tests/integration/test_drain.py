@@ -93,7 +93,7 @@ async def test_encoder_drains_its_jobs_and_pinned_entries(tmp_path):
 
 async def test_second_sigterm_or_timeout_cuts_the_drain_short(tmp_path):
     spec = noop_spec(tmp_path, encoders=0, pds=0, both=1,
-                     worker_defaults={"engine": "noop", "noop_token_s": 0.5, "drain_timeout_s": 2.0})  # fmt: skip
+                     worker_defaults={"engine": "noop", "noop_token_s": 0.5, "drain_timeout_s": 5.0})  # fmt: skip
     async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
         # a request that would stream for 50 s: longer than the drain timeout
         long = asyncio.create_task(c.generate("long", max_tokens=100))
@@ -101,8 +101,8 @@ async def test_second_sigterm_or_timeout_cuts_the_drain_short(tmp_path):
         await asyncio.sleep(0.6)  # it has streamed: it cannot be re-queued
         t0 = time.monotonic()
         cluster.child("both-0").proc.send_signal(signal.SIGTERM)
-        assert await _wait_exit(cluster, "both-0", 10) == 0
-        assert 1.8 <= time.monotonic() - t0 < 6  # it waited for the drain timeout, not for the request
+        assert await _wait_exit(cluster, "both-0", 15) == 0
+        assert 4.8 <= time.monotonic() - t0 < 10  # it waited for the drain timeout, not for the request
         with pytest.raises(WorkerLostError):
             await long
         assert "drain timed out" in cluster.child("both-0").tail(40)
@@ -117,7 +117,7 @@ async def test_second_sigterm_or_timeout_cuts_the_drain_short(tmp_path):
         await wait_stats(cluster.address, lambda s: s["gauges"]["workers_draining"] == 1, timeout=10)
         proc.send_signal(signal.SIGTERM)  # the second one: stop now
         assert await _wait_exit(cluster, "both-0", 10) == 0
-        assert time.monotonic() - t0 < 1.8
+        assert time.monotonic() - t0 < 4  # well before the drain timeout
         assert "drain cut short" in cluster.child("both-0").tail(40)
         # it had not streamed yet (first token after 0.5 s): back in the queue for the next worker
         s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_ready"] == 1)
