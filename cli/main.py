@@ -133,7 +133,7 @@ def up(
     log_format: str = typer.Option("text", help="Child logs: text or json"),
     restarts: int = typer.Option(5, min=0, help="Times a process that exits is restarted (0: stop everything)."),
     drain_timeout: float = typer.Option(
-        10.0, help="On Ctrl-C: seconds the workers get to finish what they hold (a second Ctrl-C stops at once)."
+        10.0, help="On Ctrl-C or SIGTERM: seconds the workers get to finish what they hold (a second Ctrl-C stops at once)."
     ),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""

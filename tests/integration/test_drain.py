@@ -17,6 +17,7 @@ import pytest
 from epdq import AsyncClient, WorkerLostError
 from epdq.cluster import Cluster
 from epdq.demo import demo_image
+from epdq.status import render, summary
 from tests.integration.helpers import noop_spec, wait_stats
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -52,6 +53,9 @@ async def test_pd_worker_drains_on_sigterm(tmp_path):
         cluster.child("pd-0").proc.send_signal(signal.SIGTERM)
         s = await wait_stats(cluster.address, lambda s: (_worker(s, "pd-0") or {}).get("draining"), timeout=10)
         assert s["gauges"]["workers_draining"] == 1
+        table = render(summary(s), cluster.address)  # `epdq status`
+        assert any(line.split()[:2] == ["pd-0", "pd*"] for line in table.splitlines()), table
+        assert "* draining" in table
         # new work while pd-0 drains goes to pd-1 only: pd-0's count never goes up again
         later = [asyncio.create_task(c.generate(f"later {i}", max_tokens=3)) for i in range(3)]
         seen = []
