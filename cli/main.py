@@ -44,6 +44,10 @@ def broker(
     log_format: str = typer.Option("text", help="text or json"),
     log_requests: bool = typer.Option(True, help="One log line per request end (id, route, tokens, timings)."),
     log_level: str = typer.Option("info", help="debug adds a line per dispatch; warning keeps only trouble."),
+    drain_timeout: float = typer.Option(
+        30.0, help="On SIGTERM: seconds new requests are refused (busy) while those in flight finish; 0 stops "
+        "at once. Ctrl-C or a second SIGTERM stops at once."
+    ),
 ) -> None:
     """Run the broker."""
     from epdq.broker import BrokerConfig
@@ -59,6 +63,7 @@ def broker(
             max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
             liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
             metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
+            drain_timeout_s=drain_timeout,
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -133,7 +138,8 @@ def up(
     log_format: str = typer.Option("text", help="Child logs: text or json"),
     restarts: int = typer.Option(5, min=0, help="Times a process that exits is restarted (0: stop everything)."),
     drain_timeout: float = typer.Option(
-        10.0, help="On Ctrl-C or SIGTERM: seconds the workers get to finish what they hold (a second Ctrl-C stops at once)."
+        10.0, help="On Ctrl-C or SIGTERM: seconds to finish the requests in flight while new ones are refused "
+        "(a second Ctrl-C stops at once)."
     ),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
@@ -148,7 +154,7 @@ def up(
         spec = ClusterSpec(
             address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir,
             keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
-            log_format=log_format, worker_defaults={"drain_timeout_s": drain_timeout},
+            log_format=log_format, drain_timeout_s=drain_timeout,
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.worker_configs()  # every setting checked before anything starts
@@ -172,7 +178,7 @@ def up(
             typer.echo("Ctrl-C stops everything.")
             await cluster.supervise(max_restarts=restarts, say=lambda m: typer.echo(f"  {m}"))
         finally:
-            typer.echo(f"stopping: the workers finish what they hold (at most {drain_timeout:g} s; "
+            typer.echo(f"stopping: new requests are refused, those in flight finish (at most {drain_timeout:g} s; "
                        "Ctrl-C again stops at once)")  # fmt: skip
             try:
                 cluster.stop()

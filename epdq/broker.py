@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from epdq import protocol as P
-from epdq.errors import ConfigError, EpdqError, InvalidInputError, ProtocolError
+from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
 from epdq.media import MAX_IMAGE_BYTES_DEFAULT, image_key, sniff_format
@@ -53,6 +53,8 @@ class BrokerConfig:
     # one log line per request end (done or failed) with its id and timings; dispatch at debug
     # level. Off for benchmarks of the broker itself, as vLLM's --disable-log-requests.
     log_requests: bool = True
+    # SIGTERM: refuse new requests (busy) and let those in flight finish, for at most this long
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if "://" not in self.address:
@@ -71,6 +73,8 @@ class BrokerConfig:
             raise ValueError("heartbeat_s must be in [0.01, 600] and liveness >= 1")
         if self.client_liveness_s <= 0 or self.encode_lease_s <= 0:
             raise ValueError("client_liveness_s and encode_lease_s must be > 0")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError("drain_timeout_s must be in [0, 3600]")
 
 
 @dataclass(slots=True)
@@ -116,6 +120,7 @@ class Broker:
         self.endpoint = ""
         self._stop = asyncio.Event()
         self.started_at = time.monotonic()
+        self.draining = False  # SIGTERM: new requests are refused while those in flight finish
 
     # ------------------------------------------------------------ lifecycle
 
@@ -143,7 +148,9 @@ class Broker:
         try:
             if self.cfg.metrics_address:  # before anyone is told we are ready: it can fail
                 host, _, port = self.cfg.metrics_address.rpartition(":")
-                self._metrics = MetricsServer(self.render_metrics, lambda: bool(self.scheduler.workers))
+                # a draining broker is not ready: load balancers stop sending clients to it
+                self._metrics = MetricsServer(self.render_metrics,
+                                              lambda: bool(self.scheduler.workers) and not self.draining)  # fmt: skip
                 try:
                     bound = await self._metrics.start(host or "127.0.0.1", int(port))
                 except (OSError, ValueError) as e:
@@ -170,6 +177,27 @@ class Broker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def drain(self, timeout_s: float, stop_now: asyncio.Event) -> None:
+        """Before a planned stop: refuse new requests (BusyError: a client retries, by then against
+        the broker that replaces this one) and wait until those in flight have ended, for at most
+        `timeout_s`; `stop_now` cuts it short. What is still in flight then is lost, as in a crash."""
+        if timeout_s <= 0 or stop_now.is_set():
+            return
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        log.info("draining: new requests are refused (busy); waiting for the %d in flight (at most %.0f s; "
+                 "a second signal stops at once)", len(self.scheduler.requests), timeout_s)  # fmt: skip
+        while self.scheduler.requests:
+            if stop_now.is_set():
+                log.warning("drain cut short with %d requests in flight", len(self.scheduler.requests))
+                return
+            if loop.time() >= end:
+                log.warning("drain timed out with %d requests in flight", len(self.scheduler.requests))
+                return
+            await asyncio.sleep(0.05)
+        log.info("drained: no request in flight")
 
     async def _tick(self) -> None:
         hb = P.encode(P.Heartbeat())
@@ -252,6 +280,8 @@ class Broker:
         self._client_seen[identity] = time.monotonic()
 
     def _validate_submit(self, msg: P.Submit, payload: list[Any]) -> None:
+        if self.draining:
+            raise BusyError("the broker is shutting down", retry_after=max(1.0, self.cfg.busy_retry_after_s))
         if not 1 <= len(msg.request_id) <= 128:
             raise InvalidInputError("request_id must be 1..128 characters")
         if msg.n_images > self.cfg.max_images_per_request:
@@ -309,6 +339,7 @@ class Broker:
             )  # fmt: skip
         gauges |= {f"workers_{k}": float(v) for k, v in by_role.items()}
         gauges["workers_draining"] = float(sum(w.draining for w in workers))
+        gauges["broker_draining"] = float(self.draining)
         gauges["uptime_s"] = time.monotonic() - self.started_at
         gauges["clients"] = float(len(self._clients))
         return P.Stats(nonce, counters, gauges, workers)

@@ -27,8 +27,6 @@ from epdq.errors import BrokerUnavailableError
 from epdq.keys import ensure_cluster_keys
 from epdq.worker.runner import WorkerConfig
 
-CLUSTER_DRAIN_S = 10.0  # the workers' drain_timeout_s unless worker_defaults sets it
-
 
 @dataclass(slots=True)
 class ClusterSpec:
@@ -48,6 +46,9 @@ class ClusterSpec:
     metrics: str = ""  # HOST:PORT for the broker's Prometheus /metrics and /health (off when empty)
     http: str = ""  # HOST:PORT for the OpenAI-compatible gateway (off when empty)
     http_options: dict = field(default_factory=dict)  # more GatewayConfig fields (allow_dir, model_name, ...)
+    # stop(): the broker refuses new requests and waits for those in flight, at most this long; a
+    # worker stopped on its own (a rolling restart) drains as long (unless worker_defaults says)
+    drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("metrics", "http"):
@@ -66,6 +67,8 @@ class ClusterSpec:
             raise ValueError("the disaggregated route needs both encoders and pd workers (or neither)")
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError("drain_timeout_s must be in [0, 3600]")
 
 
 @dataclass(slots=True)
@@ -155,8 +158,7 @@ class Cluster:
         out = []
         for role, n in (("encoder", self.spec.encoders), ("pd", self.spec.pds), ("both", self.spec.both)):
             for i in range(n):
-                # stop() waits 15 s per group: a worker's drain must end well before that
-                kw = {"drain_timeout_s": CLUSTER_DRAIN_S} | dict(self.spec.worker_defaults)
+                kw = {"drain_timeout_s": self.spec.drain_timeout_s} | dict(self.spec.worker_defaults)
                 kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}",
                           keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:
@@ -173,7 +175,8 @@ class Cluster:
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
         if self.address.startswith("tcp://") and not self.spec.insecure:
             self.keys_dir = str(ensure_cluster_keys(self.spec.keys_dir or None))
-        bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure)
+        bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure,
+                                   drain_timeout_s=self.spec.drain_timeout_s)  # fmt: skip
         if self.spec.metrics:
             bcfg = dataclasses.replace(bcfg, metrics_address=self.spec.metrics)
         say(f"starting broker on {self.address}")
@@ -295,14 +298,16 @@ class Cluster:
         raise KeyError(name)
 
     def stop(self, timeout: float = 15.0, *, now: bool = False) -> None:
-        """Workers first, so they can drain (SIGTERM: the broker still routes their last tokens),
-        say BYE and unlink their rings; the broker last. `now`: SIGINT, no drain."""
-        drain = 0.0 if now else float(self.spec.worker_defaults.get("drain_timeout_s", CLUSTER_DRAIN_S))
+        """The broker (and the gateway) first: SIGTERM makes it refuse new requests and wait for
+        those in flight, which the workers, still running, finish; then the workers, which find
+        the broker gone and leave at once (rings unlinked). `now`: SIGINT, no drain."""
+        drain = 0.0 if now else self.spec.drain_timeout_s
         timeout = max(timeout, drain + 5.0)
         sig = signal.SIGINT if now else signal.SIGTERM
+        front = ("broker", "gateway")
         for group in (
-            [c for c in self.children if c.name != "broker"],
-            [c for c in self.children if c.name == "broker"],
+            [c for c in self.children if c.kind in front],
+            [c for c in self.children if c.kind not in front],
         ):
             for ch in group:
                 if ch.proc.poll() is None:

@@ -3,7 +3,8 @@
 `python -m epdq.launch broker '<json BrokerConfig>'`, `... worker '<json WorkerConfig>'` or
 `... gateway '<json GatewayConfig>'`. The JSON is decoded strictly into the config dataclass, whose `__post_init__` validates it. SIGTERM
 and SIGINT stop the process cleanly (rings unlinked, BYE sent); on SIGTERM a worker first drains
-(the broker sends it nothing new and it finishes what it holds, see `run_worker`).
+(the broker sends it nothing new and it finishes what it holds, see `run_worker`), and the broker
+refuses new requests until those in flight have ended (`Broker.drain`).
 """
 
 from __future__ import annotations
@@ -52,12 +53,16 @@ async def serve_broker(cfg) -> None:
     broker = Broker(cfg)
     broker.bind()
     freeze_heap()
-    stop = asyncio.Event()
-    _install_stop(stop)
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+    _install_stop(stop, stop_now)
     task = asyncio.create_task(broker.serve())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
+    if not task.done():  # SIGTERM: let what is in flight finish (the broker keeps serving meanwhile)
+        drain = asyncio.create_task(broker.drain(cfg.drain_timeout_s, stop_now))
+        await asyncio.wait((task, drain), return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
     broker.stop()
     await task  # raises what ended it early (a metrics address in use)
 

@@ -137,7 +137,7 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
         assert bad.returncode == 3 and "invalid_input" in bad.stderr
 
         # SIGTERM (as systemd or docker stop send; Ctrl-C takes the same path) while a long request
-        # streams: the workers drain, so it still completes in full
+        # streams: the broker refuses new requests and waits for it, so it still completes in full
         long = subprocess.Popen(
             [*EPDQ, "generate", "Tell a long story.", "--image", str(image), "--address", addr, "--json",
              "--max-tokens", "1500"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -154,7 +154,7 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
         rest, _ = up.communicate(timeout=60)
         assert up.returncode == 0, rest
         assert "stopping" in rest
-        assert "drained" in (tmp_path / "logs" / "pd-0.log").read_text()
+        assert "drained" in (tmp_path / "logs" / "broker.log").read_text()  # it waited for the long one
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)

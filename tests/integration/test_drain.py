@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from epdq import AsyncClient, WorkerLostError
+from epdq import AsyncClient, BusyError, WorkerLostError
 from epdq.cluster import Cluster
 from epdq.demo import demo_image
 from epdq.status import render, summary
@@ -128,3 +128,23 @@ async def test_second_sigterm_or_timeout_cuts_the_drain_short(tmp_path):
         assert s["counters"]["pd_requeues"] == 1 and not long.done()
         long.cancel()
         await asyncio.gather(long, return_exceptions=True)
+
+
+async def test_broker_drains_on_sigterm(tmp_path):
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": TOKEN_S})
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
+        streams = [asyncio.create_task(c.generate(f"long {i}", images=[demo_image(70 + i, (64, 64))],
+                                                  max_tokens=MAX_TOKENS)) for i in range(2)]  # fmt: skip
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 2)
+        t0 = time.monotonic()
+        cluster.child("broker").proc.send_signal(signal.SIGTERM)
+        await wait_stats(cluster.address, lambda s: s["gauges"]["broker_draining"] == 1, timeout=10)
+        with pytest.raises(BusyError, match="shutting down") as ei:  # new work is refused, typed
+            await c.generate("new", max_tokens=2)
+        assert ei.value.retry_after >= 1.0
+        results = await asyncio.gather(*streams)  # what was in flight finishes in full
+        assert [len(r.token_ids) for r in results] == [MAX_TOKENS] * 2
+        assert await _wait_exit(cluster, "broker", 10) == 0
+        assert time.monotonic() - t0 < spec.drain_timeout_s  # it left once they were done
+        log = cluster.child("broker").tail(40)
+        assert "draining" in log and "drained" in log, log
