@@ -203,8 +203,11 @@ async def _drain(link: BrokerLink, idle: Callable[[], bool], timeout_s: float, s
         if loop.time() >= end:
             log.warning("drain timed out after %.0f s with work in hand: leaving anyway", timeout_s)
             return
-        if not link.registered.is_set() or (not link.drain_acked.is_set() and loop.time() >= ack_by):
+        if not link.registered.is_set():
             log.warning("the broker went away while draining: leaving")
+            return
+        if not link.drain_acked.is_set() and loop.time() >= ack_by:
+            log.warning("the broker did not answer the drain within %.0f s: leaving", ack_by - start)
             return
         await asyncio.sleep(0.02)
     log.info("drained: nothing in hand")
