@@ -264,10 +264,15 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
         (["--heartbeat", "0"], "heartbeat_s must be in"),
         (["--max-image-mb", "100"], "max_image_bytes must be in"),
         (["--address", "nowhere"], "address must look like"),
+        (["--drain-timeout", "-1"], "drain_timeout_s must be in [0, 3600]"),
+        (["worker", "--role", "pd", "--drain-timeout", "7200"], "drain_timeout_s must be in [0, 3600]"),
+        (["up", "--drain-timeout", "-5"], "drain_timeout_s must be in [0, 3600]"),
     ],
 )
-def test_bad_broker_settings_are_usage_errors(argv, message, tmp_path):
-    r = subprocess.run([*EPDQ, "broker", "--address", f"ipc://{tmp_path}/b.sock", *argv],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+def test_bad_broker_worker_and_up_settings_are_usage_errors(argv, message, tmp_path):
+    command = argv[0] if argv[0] in ("worker", "up") else "broker"
+    argv = argv[1:] if command != "broker" else argv
+    address = [] if command == "worker" else ["--address", f"ipc://{tmp_path}/b.sock"]
+    r = subprocess.run([*EPDQ, command, *address, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Invalid value" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
     assert message in " ".join(r.stderr.replace("│", " ").split())  # the box may wrap the line
