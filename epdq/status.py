@@ -48,13 +48,15 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
             "protocol_errors": k.get("protocol_errors", 0),
         },
         "uptime_s": g.get("uptime_s", 0.0),
+        "draining": bool(g.get("broker_draining", 0.0)),
     }
 
 
 def render(s: dict[str, Any], address: str) -> str:
     mib = 2**20
     lines = [
-        f"epdq broker {address}   up {s['uptime_s']:.0f}s   {time.strftime('%H:%M:%S')}",
+        f"epdq broker {address}   up {s['uptime_s']:.0f}s   {time.strftime('%H:%M:%S')}"
+        + ("   DRAINING: new requests are refused" if s.get("draining") else ""),
         "",
         f"{'worker':<28} {'role':<8} {'node':<14} {'inflight':>9} {'ring used/cap MiB':>18} {'pinned MiB':>10}",
     ]

@@ -138,7 +138,8 @@ async def test_broker_drains_on_sigterm(tmp_path):
         await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 2)
         t0 = time.monotonic()
         cluster.child("broker").proc.send_signal(signal.SIGTERM)
-        await wait_stats(cluster.address, lambda s: s["gauges"]["broker_draining"] == 1, timeout=10)
+        s = await wait_stats(cluster.address, lambda s: s["gauges"]["broker_draining"] == 1, timeout=10)
+        assert summary(s)["draining"] and "DRAINING" in render(summary(s), cluster.address)  # `epdq status`
         with pytest.raises(BusyError, match="shutting down") as ei:  # new work is refused, typed
             await c.generate("new", max_tokens=2)
         assert ei.value.retry_after >= 1.0
