@@ -421,7 +421,9 @@ class Scheduler:
         if key in self.index or not users:
             # a duplicate of a resident entry, or nobody waits any more: resident but unpinned
             self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
-        if key not in self.index:
+        # an entry nobody waits for on a draining encoder is not cached: no new request may come
+        # to depend on a ring that is going away
+        if key not in self.index and (users or w is None or not w.draining):
             self.index[key] = IndexEntry(ref, pinned=bool(users))
             self._index_bytes += ref.nbytes
             self._index_pinned += bool(users)

@@ -335,7 +335,7 @@ def test_deadline_and_lease_heaps_stay_proportional_to_live_work(clock):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
     """Random traffic with every kind of event (encodes, failures, evictions, stale reads, lease
-    and deadline expiry, dead workers, cancels): the O(1) gauges never drift from a recount, no
+    and deadline expiry, dead and draining workers, cancels): the O(1) gauges never drift from a recount, no
     worker is over its credit, a waiting request always has an encode coming, a ready one has
     every embedding, pins follow live users; then, with every job answered, everything ends and
     nothing leaks. (Set iteration order follows the hash seed: each run explores other orders.)"""
@@ -344,6 +344,7 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
     rng = random.Random(seed)
     s = make(clock, enc=2, pd=2, enc_cap=2, pd_cap=2, max_queued_requests=40, encode_lease_s=3.0)
     encodes: dict[tuple[str, int], SendEncode] = {}  # a job re-sent after its lease: two entries
+    draining: dict[str, set] = {}  # worker -> what it held when it began to drain
     running: dict[str, str] = {}  # rid -> pd worker
     gens = iter(range(1, 10**9))
     next_rid = iter(range(10**9))
@@ -384,12 +385,16 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
             elif op < 0.78 and s.requests:
                 s.cancel(rng.choice(list(s.requests)))
             elif op < 0.82:
-                w = rng.choice(list(s.workers)) if s.workers else None
+                w = rng.choice([x for x in s.workers if x not in draining] or [None])
                 if w is not None:
                     role = s.workers[w].role
-                    s.remove_worker(w)
-                    running = {r: x for r, x in running.items() if x != w}
-                    encodes = {j: a for j, a in encodes.items() if a.worker_id != w}
+                    if rng.random() < 0.5:  # a planned leave: it finishes what it holds first
+                        assert s.drain_worker(w)
+                        draining[w] = set(s.workers[w].inflight)
+                    else:
+                        s.remove_worker(w)
+                        running = {r: x for r, x in running.items() if x != w}
+                        encodes = {j: a for j, a in encodes.items() if a.worker_id != w}
                     s.add_worker(f"{role.value}-{next(n_workers)}", role, "n1", 2)
             else:
                 clock.t += rng.uniform(0, 1.5)
@@ -397,6 +402,11 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
         except (BusyError, InvalidInputError):
             pass
         absorb(s.take_actions())
+        for w in [w for w in draining if w in s.workers]:
+            assert s.workers[w].inflight <= draining[w], w  # a draining worker gets nothing new
+            if not s.workers[w].inflight:  # done: it says BYE
+                s.remove_worker(w, "left")
+                absorb(s.take_actions())
         assert s.gauges() == s.gauges_by_scan()
         _check_invariants(s)
     assert s.counters["requests_completed"] > 50 and s.counters["encodes_done"] > 50
@@ -532,3 +542,17 @@ def test_draining_encoder_keeps_entries_that_requests_hold(clock):
     s.on_tokens("pd-0", "busy", finished=True)
     acts = s.take_actions()
     assert [a.request.rid for a in of(acts, SendPrefill)] == ["r1"]
+
+
+def test_an_encode_finished_while_draining_is_cached_only_if_someone_waits(clock):
+    s = make(clock, enc=1, enc_cap=2)
+    waited = of(submit(s, "r1", [K(1)]), SendEncode)[0]
+    orphan = of(submit(s, "r2", [K(2)]), SendEncode)[0]
+    s.cancel("r2")  # nobody waits for K(2) any more; its job is already on the encoder
+    s.take_actions()
+    s.drain_worker("enc-0")
+    finish_encode(s, waited)
+    assert K(1) in s.index and s.index[K(1)].pinned  # r1 reads it
+    acts = finish_encode(s, orphan)
+    assert K(2) not in s.index  # not a cache entry on a leaving ring
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 1)])]
