@@ -77,11 +77,40 @@ async def serve_worker(cfg) -> None:
 
 def run(coro) -> None:
     try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(coro)
+        else:
+            uvloop.run(coro)
+    finally:
+        let_last_messages_leave()
+
+
+def let_last_messages_leave(timeout_s: float = 1.0) -> None:
+    """Terminate the process's ZeroMQ context so that its last messages (the BYEs) leave.
+
+    pyzmq never terminates a context that is left to interpreter exit: its I/O thread dies with
+    whatever it still holds, however long the sockets were told to linger. A stuck termination
+    (a socket some thread still uses) must not keep the process from ending: bounded."""
+    import threading
+
+    import zmq
+
+    from epdq.security import authenticator_for
+
+    ctx = zmq.Context._instance
+    if ctx is None or ctx.closed:
+        return
+    auth = authenticator_for(ctx)
+    if auth is not None:
+        try:
+            auth.stop()  # its thread owns a socket of this context
+        except EpdqError:
+            return  # a CURVE server socket is still open: leave the context to the exit
+    t = threading.Thread(target=ctx.destroy, kwargs={"linger": 200}, name="zmq-term", daemon=True)
+    t.start()
+    t.join(timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
