@@ -337,3 +337,42 @@ async def test_supervise_restarts_what_exits_then_gives_up(tmp_path):
         kill_child(cluster.child("pd-0"))
         with pytest.raises(RuntimeError, match="pd-0 exited with code -9 after 1 restarts"):
             await asyncio.wait_for(supervisor, 30)
+
+
+_EXIT_SENDER = """
+import sys, zmq
+from epdq.launch import let_last_messages_leave
+ctx = zmq.Context.instance()
+s = ctx.socket(zmq.PUSH)
+s.setsockopt(zmq.SNDHWM, 0)
+s.connect(sys.argv[1])
+for _ in range(400):
+    s.send(bytes(256 * 1024))
+s.close(linger=10000)
+let_last_messages_leave(timeout_s=20)
+"""
+
+
+def test_last_messages_leave_before_the_process_exits(tmp_path):
+    """A process's last messages (its BYEs) must not die with the ZeroMQ I/O thread at exit:
+    pyzmq never terminates a context left to interpreter exit, whatever the sockets' linger
+    (without `let_last_messages_leave` about a third of these 100 MiB were lost here)."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    addr = f"ipc://{tmp_path}/exit.sock"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        pull.bind(addr)
+        subprocess.run([sys.executable, "-c", _EXIT_SENDER, addr], check=True, timeout=120)
+        n = 0
+        while pull.poll(2000):
+            pull.recv(copy=False)
+            n += 1
+        assert n == 400
+    finally:
+        pull.close(linger=0)
+        ctx.term()
