@@ -137,22 +137,31 @@ class Cluster:
     async def supervise(self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5) -> None:
         """Until cancelled: restart any child that exits, up to `max_restarts` times each; then
         RuntimeError with its last log lines. Workers re-register by themselves, and find a
-        restarted broker again (its in-flight requests fail, typed, as after any broker restart)."""
+        restarted broker again (its in-flight requests fail, typed, as after any broker restart).
+
+        A child that exits 0 was told to stop and drained (a rolling restart: SIGTERM one
+        process at a time): it is started again without counting against `max_restarts`."""
         while True:
             await asyncio.sleep(interval_s)
             for ch in list(self.children):
                 rc = ch.proc.poll()
                 if rc is None:
                     continue
-                if ch.restarts >= max_restarts:
+                planned = rc == 0 and max_restarts > 0
+                if not planned and ch.restarts >= max_restarts:
                     raise RuntimeError(
                         f"{ch.name} exited with code {rc}"
                         + (f" after {ch.restarts} restarts" if ch.restarts else "")
                         + f"; last log lines:\n{ch.tail()}"
                     )
-                say(f"{ch.name} exited with code {rc}; restarting it ({ch.restarts + 1}/{max_restarts}; "
-                    f"log: {ch.log_path})")  # fmt: skip
-                self.respawn(ch)
+                if planned:
+                    say(f"{ch.name} stopped cleanly (exit code 0); starting it again (log: {ch.log_path})")
+                else:
+                    say(f"{ch.name} exited with code {rc}; restarting it ({ch.restarts + 1}/{max_restarts}; "
+                        f"log: {ch.log_path})")  # fmt: skip
+                new = self.respawn(ch)
+                if planned:
+                    new.restarts = ch.restarts
 
     def worker_configs(self) -> list[tuple[str, WorkerConfig]]:
         out = []
