@@ -162,7 +162,7 @@ def up(
         raise typer.BadParameter(str(e)) from None
 
     async def main() -> None:
-        # SIGTERM (systemd, docker stop) stops like Ctrl-C: the workers drain first
+        # SIGTERM (systemd, docker stop) stops like Ctrl-C: the broker drains first (Cluster.stop)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         try:
             await cluster.start(progress=lambda m: typer.echo(f"  {m}"))

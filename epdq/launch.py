@@ -29,18 +29,17 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def _install_stop(stop: asyncio.Event, stop_now: asyncio.Event | None = None) -> None:
-    """SIGTERM sets `stop` (a worker then drains); SIGINT, or a second SIGTERM, also sets `stop_now`."""
+def _install_stop(stop: asyncio.Event, stop_now: asyncio.Event) -> None:
+    """SIGTERM sets `stop` (the process then drains); SIGINT, or a second SIGTERM, also sets `stop_now`."""
     loop = asyncio.get_running_loop()
-    now = stop_now or asyncio.Event()
 
     def on_term() -> None:
         if stop.is_set():
-            now.set()
+            stop_now.set()
         stop.set()
 
     def on_int() -> None:
-        now.set()
+        stop_now.set()
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
