@@ -45,3 +45,16 @@ def test_control_benchmark_small(tmp_path, capsys):
     # hits really skipped the encoder: the broker encoded only the fresh images (warm-up included)
     counters = saved["epdq_broker_counters"]
     assert counters.get("encodes_done", 0) == 2 * 50
+
+
+def test_fresh_images_stay_distinct_past_the_patterns_period():
+    from epdq.demo import demo_image
+
+    # the drawn pattern repeats every 44,800 seeds; the seed stamped into the pixels does not
+    assert demo_image(1, (64, 64)) != demo_image(1 + 44_800, (64, 64))
+    assert demo_image(0, (64, 64)) != demo_image(44_800, (64, 64))
+    assert len({demo_image(s, (2, 1)) for s in range(0, 2**40, 2**32)}) == 256
+    with pytest.raises(ValueError):
+        demo_image(-1, (8, 8))
+    images = control._Images(3)
+    assert len(set(images.items)) == 3 and images.hit not in images.items
