@@ -21,6 +21,15 @@ KEYS_HELP = "CURVE keys directory (default: $EPDQ_HOME/keys, made by `epdq up` /
 INSECURE_HELP = "Plaintext tcp instead of CURVE (loopback addresses only)."
 
 
+def _one_address(positional: str, option: str | None) -> str:
+    # clients name the broker positionally or as --broker, like `epdq worker --broker`
+    if option is None:
+        return positional
+    if positional != DEFAULT_ADDRESS and positional != option:
+        raise typer.BadParameter(f"two broker addresses given: {positional!r} and {option!r}")
+    return option
+
+
 def _run(coro):
     from epdq.launch import run
 
@@ -199,7 +208,7 @@ def up(
 def generate(
     prompt: str = typer.Argument(..., help="The prompt."),
     image: list[Path] = typer.Option([], "--image", help="Image file (repeatable)."),
-    address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
+    address: str = typer.Option(DEFAULT_ADDRESS, "--address", "--broker", help="Broker address."),
     max_tokens: int = typer.Option(32),
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
@@ -279,13 +288,16 @@ def make_model(
 
 @app.command()
 def stats(
-    address: str = typer.Argument(DEFAULT_ADDRESS),
+    address: str = typer.Argument(DEFAULT_ADDRESS, help="Broker address."),
+    broker: str = typer.Option(None, "--broker", "--address", help="Broker address (instead of ADDRESS)."),
     timeout: float = typer.Option(5.0),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
 ) -> None:
     """Print the broker's counters, gauges and workers as JSON."""
     from epdq.client import AsyncClient
+
+    address = _one_address(address, broker)
 
     async def main() -> dict:
         async with AsyncClient(address, keys_dir=keys_dir, insecure=insecure) as c:
@@ -296,7 +308,7 @@ def stats(
 
 @app.command("serve-http")
 def serve_http(
-    broker: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
+    broker: str = typer.Option(DEFAULT_ADDRESS, "--broker", "--address", help="Broker address."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     model_name: str = typer.Option("epdq", help="Model id advertised by /v1/models."),
@@ -327,7 +339,8 @@ def serve_http(
 
 @app.command()
 def status(
-    address: str = typer.Argument(DEFAULT_ADDRESS),
+    address: str = typer.Argument(DEFAULT_ADDRESS, help="Broker address."),
+    broker: str = typer.Option(None, "--broker", "--address", help="Broker address (instead of ADDRESS)."),
     once: bool = typer.Option(False, help="Print once and exit (default: refresh until Ctrl-C)."),
     as_json: bool = typer.Option(False, "--json", help="JSON (one object per refresh)."),
     interval: float = typer.Option(1.0, help="Seconds between refreshes."),
@@ -336,6 +349,8 @@ def status(
 ) -> None:
     """Live table of workers, queues, ring usage and cache hit rate."""
     from epdq.status import show
+
+    address = _one_address(address, broker)
 
     try:
         asyncio.run(show(address, once=once, as_json=as_json, interval=interval, keys_dir=keys_dir, insecure=insecure))

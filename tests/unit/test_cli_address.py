@@ -1,0 +1,36 @@
+"""Client commands name the broker as `epdq worker` does (`--broker`), or as before."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+pytestmark = pytest.mark.timeout(30)
+
+NOBODY = "ipc:///nonexistent-epdq-dir/broker.sock"  # nothing listens: the command fails fast, naming it
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stats", "--broker", NOBODY, "--timeout", "0.3"],
+        ["stats", "--address", NOBODY, "--timeout", "0.3"],
+        ["stats", NOBODY, "--timeout", "0.3"],
+        ["generate", "hi", "--broker", NOBODY, "--timeout", "0.3"],
+    ],
+)
+def test_the_broker_address_is_taken_from_either_spelling(argv):
+    res = CliRunner().invoke(app, argv)
+    # `epdq`'s entry point turns a typed error that escapes a command into one line (exit 2)
+    said = res.output + str(res.exception or "")
+    assert res.exit_code != 0 and "No such option" not in said, said
+    assert NOBODY in said or "no result within 0.3s" in said, said
+
+
+@pytest.mark.parametrize("command", ["stats", "status"])
+def test_two_different_broker_addresses_are_a_usage_error(command):
+    res = CliRunner().invoke(app, [command, "tcp://127.0.0.1:1", "--broker", NOBODY])
+    assert res.exit_code == 2
+    assert "two broker addresses given" in res.output
