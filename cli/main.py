@@ -272,12 +272,14 @@ def demo(
 @app.command("make-model")
 def make_model(
     out: Path = typer.Argument(None, help="Output directory (default: the embedded model's location)."),
-    seed: int = typer.Option(0),
-    overwrite: bool = typer.Option(False),
+    seed: int = typer.Option(0, help="Seed of the random weights (with OUT; the embedded model uses 0)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT if it holds a checkpoint epdq wrote (nothing else)."),
 ) -> None:
     """Write the tiny random Qwen2-VL checkpoint (real HF format) used when no --model is given."""
     from epdq.models.tiny import default_model_dir, write_tiny_checkpoint
 
+    if out is None and (seed or overwrite):
+        raise typer.BadParameter("--seed and --overwrite need OUT (the embedded model is always seed 0)")
     try:
         path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
     except OSError as e:  # a directory the user named that cannot be written: one line, not a traceback

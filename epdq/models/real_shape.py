@@ -40,6 +40,7 @@ from epdq.models.tiny import (
     _image_processor_config,
     _replace_dir,
     _write_json,
+    check_replaceable,
     tokenizer_config,
     train_bpe,
     write_processor_files,
@@ -215,8 +216,7 @@ def write_checkpoint(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     out = pathlib.Path(out_dir).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
+    check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -122,8 +122,7 @@ def write_tiny_checkpoint(
 ) -> pathlib.Path:
     """Write the tiny checkpoint to `out_dir` atomically and return its path."""
     out = pathlib.Path(out_dir).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
+    check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = TinySpec()
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -136,6 +135,20 @@ def write_tiny_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def check_replaceable(out: pathlib.Path, overwrite: bool) -> None:
+    """A checkpoint is written over an existing path only when asked, and only over a checkpoint
+    epdq wrote (its `.complete` marker) or an empty directory: `--overwrite` given the wrong
+    directory (`.`, a home directory) must refuse, not delete it."""
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out} exists (overwrite=True, or --overwrite, replaces a checkpoint epdq wrote)")
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory: refusing to replace it")
+    if not (_is_complete(out) or not any(out.iterdir())):
+        raise FileExistsError(f"{out} is not a checkpoint epdq wrote (no .complete marker): refusing to replace it")
 
 
 def _is_complete(path: pathlib.Path) -> bool:

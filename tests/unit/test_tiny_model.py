@@ -34,6 +34,40 @@ def test_refuses_to_overwrite_unless_asked(tiny):
         write_tiny_checkpoint(tiny)
 
 
+def test_overwrite_replaces_only_what_epdq_wrote(tmp_path):
+    # `epdq make-model . --overwrite` in the wrong directory must not delete that directory
+    precious = tmp_path / "project"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a checkpoint epdq wrote"):
+        write_tiny_checkpoint(precious, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "mine"
+    a_file = tmp_path / "file"
+    a_file.write_text("mine")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        write_tiny_checkpoint(a_file, overwrite=True)
+    assert a_file.read_text() == "mine"
+    # an empty directory and an earlier checkpoint are replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (write_tiny_checkpoint(empty, overwrite=True) / ".complete").is_file()
+    again = write_tiny_checkpoint(empty, seed=1, overwrite=True)
+    assert (again / ".complete").read_text() == "seed=1\n"
+
+
+def test_make_model_cli_refuses_a_foreign_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    (tmp_path / "keep.txt").write_text("mine")
+    res = CliRunner().invoke(app, ["make-model", str(tmp_path), "--overwrite"])
+    assert res.exit_code == 1 and "refusing to replace it" in res.output, res.output
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    res = CliRunner().invoke(app, ["make-model", "--seed", "3"])
+    assert res.exit_code == 2 and "need OUT" in res.output, res.output
+
+
 def test_config_token_ids_match_tokenizer(tiny):
     from transformers import AutoTokenizer
 
