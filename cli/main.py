@@ -187,8 +187,9 @@ def up(
             typer.echo("Ctrl-C stops everything.")
             await cluster.supervise(max_restarts=restarts, say=lambda m: typer.echo(f"  {m}"))
         finally:
-            typer.echo(f"stopping: new requests are refused, those in flight finish (at most {drain_timeout:g} s; "
-                       "Ctrl-C again stops at once)")  # fmt: skip
+            if cluster.children:
+                typer.echo(f"stopping: new requests are refused, those in flight finish (at most {drain_timeout:g} s; "
+                           "Ctrl-C again stops at once)")  # fmt: skip
             try:
                 cluster.stop()
             except KeyboardInterrupt:

@@ -23,7 +23,7 @@ import msgspec
 
 from epdq.broker import BrokerConfig
 from epdq.client import AsyncClient
-from epdq.errors import BrokerUnavailableError
+from epdq.errors import BrokerUnavailableError, ConfigError
 from epdq.keys import ensure_cluster_keys
 from epdq.worker.runner import WorkerConfig
 
@@ -180,10 +180,17 @@ class Cluster:
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="epdq-cluster-")
             self.log_dir = Path(self._tmp.name)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot use {self.log_dir} as the log directory: {e.strerror or e}") from None
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
         if self.address.startswith("tcp://") and not self.spec.insecure:
-            self.keys_dir = str(ensure_cluster_keys(self.spec.keys_dir or None))
+            try:
+                self.keys_dir = str(ensure_cluster_keys(self.spec.keys_dir or None))
+            except OSError as e:
+                raise ConfigError(f"cannot write CURVE keys to {self.spec.keys_dir or 'the default keys directory'}: "
+                                  f"{e.strerror or e}") from None  # fmt: skip
         bcfg = dataclasses.replace(bcfg, address=self.address, keys_dir=self.keys_dir, insecure=self.spec.insecure,
                                    drain_timeout_s=self.spec.drain_timeout_s)  # fmt: skip
         if self.spec.metrics:

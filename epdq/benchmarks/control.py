@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.report import Progress, percentile, table, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, percentile, table, write_json
 
 IMAGE_SIZE = (64, 64)
 PROMPT = "Describe this image."
@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
     a = ap.parse_args(argv)
     try:
         _check_args(a.concurrency, a.requests, a.warmup)
+        check_out_dir(a.out)
     except ValueError as e:
         ap.error(str(e))
     run(concurrency=a.concurrency, requests=a.requests, out_dir=a.out, plot=not a.no_plot,

@@ -43,7 +43,7 @@ from typing import Any
 from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
 from epdq.benchmarks.goodput_real import RealConfig, plot_real, print_real, run_real
 from epdq.benchmarks.goodput_report import plot_cost, print_cost
-from epdq.benchmarks.report import Progress, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
@@ -353,6 +353,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     for flag, v in (("--ttft-slo", a.ttft_slo), ("--tpot-slo", a.tpot_slo)):
         if v is not None and not _positive(v):
             ap.error(f"{flag} must be > 0 seconds, not {v!r}")
+    try:
+        check_out_dir(a.out_dir)
+    except ValueError as e:
+        ap.error(str(e))
     size = a.image_size or ("224x224" if a.real else "512x512")
     try:
         w, h = (int(v) for v in size.lower().split("x"))

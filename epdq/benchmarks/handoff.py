@@ -56,7 +56,7 @@ from epdq.benchmarks import handoff_report
 from epdq.benchmarks.handoff_common import HIDDEN, METHODS, MIB, SHM_ROOT, _align, _run_children
 from epdq.benchmarks.handoff_gpu import render_cuda, run_cuda
 from epdq.benchmarks.handoff_report import render, summarise
-from epdq.benchmarks.report import Progress, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, write_json
 
 __all__ = ["SHM_ROOT", "main", "render", "render_cuda", "run"]
 
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
         ap.error(f"--sizes must be numbers separated by commas, not {args.sizes!r}")
     try:
         _check_args(list(sizes), args.repeats, args.warmup, args.dtype, args.pool_mib, args.ring_mib)
+        check_out_dir(args.out)
     except ValueError as e:
         ap.error(str(e))
     run(

@@ -60,6 +60,20 @@ def environment() -> dict[str, Any]:
     }
 
 
+def check_out_dir(path: str | os.PathLike) -> None:
+    """Create `--out` and prove it writable BEFORE a benchmark runs, so that a long run never
+    ends in a traceback with its results lost. Raises ValueError with a one-line reason."""
+    import tempfile
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {os.fspath(path)!r} is not a writable directory: {e.strerror or e}") from None
+
+
 def write_json(path: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.report import Progress, percentile, table, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, percentile, table, write_json
 from epdq.jobs import Role, SendEncode, SendPrefill
 from epdq.protocol import EmbedRef
 from epdq.scheduler import Scheduler, SchedulerConfig
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--encoder-share", type=float, default=0.2)
-    ap.add_argument("--nodes", type=int, default=50)
+    ap.add_argument("--nodes", type=int, default=None, help="nodes the workers spread over (default: 50, at most --workers)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
     ap.add_argument(
         "--out", "--out-dir", dest="out_dir", default="bench-results", help="directory for scale.json"
@@ -346,11 +346,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plot", action="store_true", help="accepted as by the other benchmarks (this one draws none)")
     a = ap.parse_args(argv)
+    nodes = min(50, a.workers) if a.nodes is None else a.nodes
     try:
-        _check_args(a.workers, a.requests, a.encoder_share, a.nodes)
+        _check_args(a.workers, a.requests, a.encoder_share, nodes)
+        check_out_dir(a.out_dir)
     except ValueError as e:
         ap.error(str(e))
-    run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=a.nodes,
+    run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=nodes,
         memory=not a.no_memory, out_dir=a.out_dir, seed=a.seed)  # fmt: skip
     return 0
 

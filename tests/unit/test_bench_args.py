@@ -90,3 +90,22 @@ def test_defaults_are_valid():
     Workload()
     CostModel()
     Workload(images_per_request=1, image_size=(1, 1), text_tokens=0, output_tokens=1, repeat_fraction=1.0, hot_set=1)
+
+
+@pytest.mark.parametrize("module", ["handoff", "control", "goodput", "scale"])
+def test_an_unusable_out_directory_is_refused_before_the_run(module, tmp_path, capsys):
+    # a benchmark that runs for minutes must not end in a traceback with its results lost
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    main = importlib.import_module(f"epdq.benchmarks.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(blocker / "results")], prog=f"epdq bench {module}")
+    assert exc.value.code == 2
+    assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_scale_fits_its_default_node_count_to_few_workers(tmp_path, capsys):
+    from epdq.benchmarks import scale
+
+    assert scale.main(["--workers", "10", "--requests", "50", "--no-memory", "--out", str(tmp_path)]) == 0
+    assert "on 10 nodes" in capsys.readouterr().out
