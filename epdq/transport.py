@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -103,18 +104,26 @@ def _prepare_ipc(address: str) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, mode=0o700, exist_ok=True)
-    # ZeroMQ binds an ipc path by unlinking whatever is there: a second broker would silently take
-    # the first one's endpoint. A path someone still accepts connections on is refused instead.
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except OSError:
-            return  # a stale file (its process is gone), or not a socket: ZeroMQ replaces it
-        finally:
-            probe.close()
-        raise ConfigError(f"cannot listen on {address}: another process is listening there")
+    # ZeroMQ binds an ipc path by unlinking whatever is there: a mistyped address would delete
+    # the user's file, and a second broker would silently take the first one's endpoint. Only a
+    # stale socket (its process gone) is replaced.
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"cannot listen on {address}: {path} exists and is not a socket (refusing to replace it)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # a stale socket: ZeroMQ replaces it
+    finally:
+        probe.close()
+    raise ConfigError(f"cannot listen on {address}: another process is listening there")
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:

@@ -217,10 +217,13 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     gone = socket.socket(socket.AF_UNIX)
     gone.bind(str(stale))
     gone.close()  # the file stays, nobody listens: a broker may take it over
+    precious = tmp_path / "sock" / "notes.txt"  # a mistyped address must not delete a file
+    precious.write_text("mine")
     try:
         cases = [
             (["broker", "--address", tcp, "--insecure"], "error (config): cannot listen on " + tcp),
             (["broker", "--address", f"ipc://{ipc_path}"], "another process is listening there"),
+            (["broker", "--address", f"ipc://{precious}"], "exists and is not a socket (refusing to replace it)"),
             (["broker", "--address", "tcp://127.0.0.1:0", "--insecure", "--metrics", busy.getsockname()[0]
               + f":{busy.getsockname()[1]}"], "error (config): cannot serve metrics on"),  # fmt: skip
             (["worker", "--role", "pd", "--model", str(tmp_path / "nope")], "error (config): model directory"),
@@ -234,6 +237,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             assert "Traceback" not in r.stderr and "│" not in r.stderr, argv
             if argv[0] == "up":
                 assert "registered workers" not in r.stdout and "epdq is up" not in r.stdout
+        assert precious.read_text() == "mine"
         # a stale socket file is no obstacle
         broker = subprocess.Popen([*EPDQ, "broker", "--address", f"ipc://{stale}"], stderr=subprocess.PIPE, text=True)
         try:
