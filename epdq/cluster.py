@@ -59,6 +59,11 @@ class ClusterSpec:
                     raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
         if {"broker_address", "host", "port"} & set(self.http_options):
             raise ValueError("http_options cannot set broker_address, host or port (use http=HOST:PORT)")
+        if self.http:  # the gateway starts last: a bad option must not wait for every worker to load
+            from epdq.gateway import GatewayConfig
+
+            host, _, port = self.http.rpartition(":")
+            GatewayConfig(self.address, host=host, port=int(port), **self.http_options)
         if min(self.encoders, self.pds, self.both) < 0:
             raise ValueError("worker counts must be >= 0")
         if self.encoders + self.pds + self.both == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,6 +61,11 @@ class GatewayConfig:
             raise ValueError("max_body_bytes, max_image_bytes and request_timeout_s must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if not 0 < self.port < 65536:  # uvicorn would bind port % 65536 and print the number given
+            raise ValueError(f"port must be 1..65535, not {self.port}")
+        if self.allow_dir is not None and not os.path.isdir(self.allow_dir):
+            # checked now: otherwise every local image would fail, one request at a time
+            raise ValueError(f"allow_dir {self.allow_dir!r} does not exist or is not a directory")
 
 
 # ---------------------------------------------------------------- app

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except EpdqError as e:  # a setting that cannot work here, an engine that died: one line, no traceback
         logging.getLogger("epdq.launch").error("%s stopped: %s (%s)", argv[0], e.message, e.code)
         return 2 if isinstance(e, ConfigError) else 1
+    except msgspec.ValidationError as e:  # a config's own checks (__post_init__) refused it
+        logging.getLogger("epdq.launch").error("%s stopped: invalid configuration: %s (config)", argv[0], e)
+        return 2
     return 0
 
 

@@ -316,6 +316,26 @@ async def test_busy_is_429_and_disconnect_cancels(tmp_path):
             await oa.close()
 
 
+def test_bad_gateway_settings_are_refused_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    from epdq.cluster import ClusterSpec
+
+    with pytest.raises(ValueError, match="port must be 1..65535"):
+        GatewayConfig("ipc:///x", port=70000)  # uvicorn would bind 70000 % 65536 and print 70000
+    with pytest.raises(ValueError, match="does not exist or is not a directory"):
+        GatewayConfig("ipc:///x", allow_dir=str(tmp_path / "missing"))
+    # `epdq up --http` starts the gateway last: its options are checked before any worker loads
+    with pytest.raises(ValueError, match="does not exist or is not a directory"):
+        ClusterSpec(address="ipc:///x", http="127.0.0.1:8000", http_options={"allow_dir": str(tmp_path / "missing")})
+    # a config the child process refuses is one line in its log, not a traceback
+    r = subprocess.run([sys.executable, "-m", "epdq.launch", "gateway", '{"broker_address": "ipc:///x", "port": 0}'],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "invalid configuration: port must be 1..65535" in r.stderr, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr
+
+
 def test_error_mapping():
     from epdq import BusyError, DeadlineExceededError, EngineError, InvalidInputError, WorkerLostError
     from epdq.chat_request import http_error
