@@ -24,7 +24,15 @@ from epdq.media import MAX_IMAGE_BYTES_DEFAULT, image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import authenticator_for
-from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, PeerUnreachable, bound_endpoint, make_socket
+from epdq.transport import (
+    MAX_MESSAGE_BYTES_DEFAULT,
+    Channel,
+    PeerUnreachable,
+    bound_endpoint,
+    endpoint_problem,
+    host_port_problem,
+    make_socket,
+)
 
 log = logging.getLogger("epdq.broker")
 
@@ -57,8 +65,11 @@ class BrokerConfig:
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if "://" not in self.address:
-            raise ValueError(f"address must look like tcp://HOST:PORT or ipc://PATH, got {self.address!r}")
+        problem = endpoint_problem(self.address) or (
+            host_port_problem(self.metrics_address, "metrics_address") if self.metrics_address else None
+        )
+        if problem:
+            raise ValueError(problem)
         if not 1 <= self.max_images_per_request <= 64:
             raise ValueError("max_images_per_request must be in [1, 64]")
         if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:

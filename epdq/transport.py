@@ -41,6 +41,34 @@ _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
 
 
+_IPC_PATH_MAX = int(getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107)  # sizeof(sockaddr_un.sun_path) - 1
+
+
+def endpoint_problem(address: str) -> str | None:
+    """Why `address` is not a ZeroMQ endpoint epdq can use, or None. ZeroMQ itself takes a tcp
+    port above 65535 modulo 65536 (tcp://host:70000 listens on 4464), so ports are checked here."""
+    if not isinstance(address, str):
+        return f"an address must be a string, not {type(address).__name__}"
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        return f"address must look like tcp://HOST:PORT or ipc://PATH, got {address!r}"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            return f"a tcp address needs HOST:PORT with a port in 0..65535 (or *), got {address!r}"
+    elif scheme == "ipc" and len(rest.encode()) > _IPC_PATH_MAX:
+        return f"an ipc path can be at most {_IPC_PATH_MAX} bytes (a Unix socket's limit), got {len(rest.encode())}"
+    return None
+
+
+def host_port_problem(value: str, name: str) -> str | None:
+    """Why `value` is not HOST:PORT with a port in 1..65535 (an HTTP listener), or None."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"{name} must be HOST:PORT with a port in 1..65535, got {value!r}"
+    return None
+
+
 class PeerUnreachable(Exception):
     """A ROUTER send found no connected peer with that identity."""
 
@@ -72,6 +100,9 @@ def make_socket(
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         endpoint = bind if bind is not None else connect
+        problem = endpoint_problem(endpoint) if endpoint is not None else None
+        if problem:
+            raise ConfigError(problem)
         if security is not None and endpoint is not None and curve_required(endpoint, security):
             if bind is not None:
                 server = security.server()

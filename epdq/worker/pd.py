@@ -24,7 +24,7 @@ from epdq.errors import EngineError, EpdqError, InvalidInputError, ProtocolError
 from epdq.keys import own_public_key
 from epdq.media import decode_image
 from epdq.ring import RingReader
-from epdq.transport import Channel, make_socket
+from epdq.transport import Channel, endpoint_problem, make_socket
 
 log = logging.getLogger("epdq.pd")
 
@@ -54,8 +54,8 @@ class RemoteFetcher:
             if len(self._channels) >= _MAX_FETCH_CHANNELS:  # bounded: drop the least recently used
                 oldest = next(iter(self._channels))
                 self._channels.pop(oldest).close()
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")
+            if not endpoint.startswith(("tcp://", "ipc://")) or endpoint_problem(endpoint):
+                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")  # from the wire: the input's fault
             try:
                 sock = make_socket(
                     self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from epdq import protocol as P
 from epdq.errors import ConfigError, EngineError
+from epdq.transport import endpoint_problem
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
@@ -59,8 +60,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if "://" not in self.broker:
-            raise ValueError(f"broker address must look like tcp://HOST:PORT, got {self.broker!r}")
+        problem = endpoint_problem(self.broker) or (endpoint_problem(self.fetch_bind) if self.fetch_bind else None)
+        if problem:
+            raise ValueError(problem)
         if self.capacity < 0 or self.capacity > 4096:
             raise ValueError("capacity must be in [0, 4096]")
         if self.capacity == 0:

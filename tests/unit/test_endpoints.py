@@ -1,0 +1,44 @@
+"""Addresses are checked before ZeroMQ sees them: it would take tcp://host:70000 as port 4464."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from epdq.errors import ConfigError
+from epdq.transport import endpoint_problem, host_port_problem, make_socket
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1:7700", "tcp://*:0", "tcp://127.0.0.1:*", "tcp://[::1]:65535", "ipc:///tmp/x/b.sock",
+     "ipc://@abstract", "inproc://pipe"],
+)  # fmt: skip
+def test_good_endpoints(address):
+    assert endpoint_problem(address) is None
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1:70000", "tcp://127.0.0.1", "tcp://:7700", "tcp://h:-1", "tcp://h:7x", "http://h:80", "ipc://",
+     "127.0.0.1:7700", "", 7700, "ipc:///tmp/" + "a" * 120],
+)  # fmt: skip
+def test_bad_endpoints(address):
+    assert endpoint_problem(address)
+
+
+def test_host_port():
+    assert host_port_problem("127.0.0.1:9100", "metrics") is None
+    for bad in ("localhost", ":9100", "h:0", "h:65536", "h:x"):
+        assert "metrics must be HOST:PORT" in host_port_problem(bad, "metrics")
+
+
+def test_make_socket_refuses_a_bad_endpoint_and_closes_it():
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ConfigError, match="port in 0..65535"):
+            make_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:70000")
+        with pytest.raises(ConfigError, match="port in 0..65535"):
+            make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:70000")
+    finally:
+        ctx.term()  # would hang if a socket had been left open
