@@ -354,7 +354,8 @@ def status(
     from epdq.status import show
 
     address = _one_address(address, broker)
-
+    if not 0.1 <= interval <= 3600:  # also NaN
+        raise typer.BadParameter(f"--interval must be 0.1..3600 seconds, not {interval}")
     try:
         asyncio.run(show(address, once=once, as_json=as_json, interval=interval, keys_dir=keys_dir, insecure=insecure))
     except KeyboardInterrupt:

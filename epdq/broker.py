@@ -78,12 +78,17 @@ class BrokerConfig:
             # the broker forwards images to workers, whose links take frames up to that size
             raise ValueError(f"max_image_bytes must be in [1024, {MAX_MESSAGE_BYTES_DEFAULT - 2**20}] "
                              f"(images are forwarded to workers in frames of at most {MAX_MESSAGE_BYTES_DEFAULT >> 20} MiB)")  # fmt: skip
-        if self.default_timeout_s <= 0 or self.default_timeout_s > self.max_timeout_s:
+        # written as "not (valid)" so that NaN (from `--timeout nan`) fails too
+        if not 0 < self.max_timeout_s <= 86400:
+            raise ValueError("max_timeout_s must be in (0, 86400]")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
             raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
         if not 0.01 <= self.heartbeat_s <= 600 or self.liveness < 1:
             raise ValueError("heartbeat_s must be in [0.01, 600] and liveness >= 1")
-        if self.client_liveness_s <= 0 or self.encode_lease_s <= 0:
-            raise ValueError("client_liveness_s and encode_lease_s must be > 0")
+        if not (0 < self.client_liveness_s <= 86400 and 0 < self.encode_lease_s <= 86400):
+            raise ValueError("client_liveness_s and encode_lease_s must be in (0, 86400]")
+        if not 0 <= self.busy_retry_after_s <= 3600:
+            raise ValueError("busy_retry_after_s must be in [0, 3600]")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError("drain_timeout_s must be in [0, 3600]")
 

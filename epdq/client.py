@@ -89,8 +89,8 @@ class AsyncClient:
         """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
         made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
         loopback only. ipc:// needs neither."""
-        if timeout <= 0 or heartbeat_s <= 0 or liveness < 1:
-            raise ValueError("timeout and heartbeat_s must be > 0, liveness >= 1")
+        if not (_is_number(timeout) and timeout > 0 and _is_number(heartbeat_s) and heartbeat_s > 0) or liveness < 1:
+            raise ValueError("timeout and heartbeat_s must be finite numbers > 0, liveness >= 1")
         self.address = address
         self.timeout = timeout
         self._ctx = ctx or zmq.Context.instance()
@@ -255,6 +255,8 @@ class AsyncClient:
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The broker's counters, gauges and workers."""
+        if not (_is_number(timeout) and timeout > 0):
+            raise InvalidInputError(f"timeout must be a number of seconds > 0, not {timeout!r}")
         ch = self._require_channel()
         nonce = next(self._nonce)
         fut = asyncio.get_running_loop().create_future()

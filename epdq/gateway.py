@@ -57,8 +57,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
-        if self.max_body_bytes < 1 or self.max_image_bytes < 1 or self.request_timeout_s <= 0:
-            raise ValueError("max_body_bytes, max_image_bytes and request_timeout_s must be > 0")
+        if self.max_body_bytes < 1 or self.max_image_bytes < 1 or not 0 < self.request_timeout_s <= 86400:
+            raise ValueError("max_body_bytes and max_image_bytes must be > 0, request_timeout_s in (0, 86400]")
+        if not (0 < self.remote_timeout_s <= 600 and 0 <= self.stream_prime_s <= 600):
+            raise ValueError("remote_timeout_s must be in (0, 600] and stream_prime_s in [0, 600]")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if not 0 < self.port < 65536:  # uvicorn would bind port % 65536 and print the number given

@@ -61,9 +61,9 @@ class SchedulerConfig:
             raise ValueError("max_queued_requests and max_held_image_bytes must be >= 1")
         if self.max_encode_attempts < 1 or self.max_pd_attempts < 1:
             raise ValueError("attempt caps must be >= 1")
-        if self.encode_lease_s <= 0:
+        if not self.encode_lease_s > 0:  # "not >": NaN fails too
             raise ValueError("encode_lease_s must be > 0")
-        if self.busy_retry_after_s < 0 or self.max_timeout_s <= 0:
+        if not (self.busy_retry_after_s >= 0 and self.max_timeout_s > 0):
             raise ValueError("retry hint must be >= 0 and max timeout > 0")
 
 

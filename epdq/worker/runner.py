@@ -73,8 +73,8 @@ class WorkerConfig:
             raise ValueError("heartbeat_s must be in [0.01, 600]")
         if self.engine not in ("auto", "hf", "noop"):
             raise ValueError(f"engine must be auto, hf or noop, got {self.engine!r}")
-        if min(self.noop_encode_s, self.noop_prefill_s, self.noop_token_s) < 0:
-            raise ValueError("noop delays must be >= 0")
+        if not all(0 <= v <= 60 for v in (self.noop_encode_s, self.noop_prefill_s, self.noop_token_s)):
+            raise ValueError("noop delays must be in [0, 60] seconds")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError("drain_timeout_s must be in [0, 3600]")
         if not 1 <= self.threads <= 1024:

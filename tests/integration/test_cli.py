@@ -268,6 +268,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
         (["--heartbeat", "0"], "heartbeat_s must be in"),
         (["--max-image-mb", "100"], "max_image_bytes must be in"),
         (["--address", "nowhere"], "address must look like"),
+        (["--timeout", "nan"], "default_timeout_s must be in (0, max_timeout_s]"),
         (["--address", "tcp://127.0.0.1:70000", "--insecure"], "a port in 0..65535"),
         (["--metrics", "localhost"], "metrics_address must be HOST:PORT"),
         (["worker", "--role", "pd", "--broker", "tcp://127.0.0.1:70000"], "a port in 0..65535"),

@@ -34,3 +34,9 @@ def test_two_different_broker_addresses_are_a_usage_error(command):
     res = CliRunner().invoke(app, [command, "tcp://127.0.0.1:1", "--broker", NOBODY])
     assert res.exit_code == 2
     assert "two broker addresses given" in res.output
+
+
+@pytest.mark.parametrize("interval", ["0", "nan", "-1"])
+def test_status_refuses_a_senseless_interval(interval):
+    res = CliRunner().invoke(app, ["status", "--interval", interval])
+    assert res.exit_code == 2 and "--interval must be 0.1..3600 seconds" in res.output
