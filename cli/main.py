@@ -115,7 +115,7 @@ def worker(
     from epdq.logs import setup_logging
     from epdq.worker.runner import WorkerConfig
 
-    setup_logging("info", log_format)
+    setup_logging("info", log_format, vllm=True)
     try:
         cfg = WorkerConfig(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m epdq.launch broker|worker|gateway JSON [LOG_FORMAT]", file=sys.stderr)
         return 2
     log_format = argv[2] if len(argv) == 3 else "text"
-    setup_logging("info", log_format)
+    setup_logging("info", log_format, vllm=argv[0] == "worker")
     try:
         _serve(argv[0], argv[1], log_format)
     except EpdqError as e:  # a setting that cannot work here, an engine that died: one line, no traceback
