@@ -159,12 +159,15 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
 
-        # --log-format json: epdq's lines are JSON objects (vLLM prints its own); request lines carry ids
+        # --log-format json: epdq's lines are JSON objects, and so are vLLM's (in the worker and in its
+        # engine process); what C code prints stays text. Request lines carry ids.
         events = []
         for log_file in (tmp_path / "logs").glob("*.log"):
             for line in log_file.read_text().splitlines():
                 if line.startswith("{"):
                     events.append(json.loads(line))
+        vllm_pids = {e["pid"] for e in events if e["logger"].startswith("vllm")}
+        assert len(vllm_pids) >= 2, vllm_pids  # worker processes and their engine processes
         done = [e for e in events if e.get("event") == "request_done" and e["logger"] == "epdq.gateway"]
         assert len(done) == 1 and done[0]["request_id"].startswith("chatcmpl-") and done[0]["status"] == 200
         assert done[0]["prompt_tokens"] > 0
