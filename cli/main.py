@@ -16,6 +16,26 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ."
 )
 
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from epdq import __version__
+        from epdq.protocol import PROTOCOL_VERSION
+
+        # a cluster runs one release: the protocol number is what brokers and workers compare
+        typer.echo(f"epdq {__version__} (wire protocol {PROTOCOL_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print epdq's version and wire protocol, then exit."),
+) -> None:  # fmt: skip
+    pass
+
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 KEYS_HELP = "CURVE keys directory (default: $EPDQ_HOME/keys, made by `epdq up` / `epdq keygen`)."
 INSECURE_HELP = "Plaintext tcp instead of CURVE (loopback addresses only)."

@@ -1,4 +1,4 @@
-"""Client commands name the broker as `epdq worker` does (`--broker`), or as before."""
+"""Client commands name the broker as `epdq worker` does (`--broker`), or as before; `epdq --version`."""
 
 from __future__ import annotations
 
@@ -40,3 +40,11 @@ def test_two_different_broker_addresses_are_a_usage_error(command):
 def test_status_refuses_a_senseless_interval(interval):
     res = CliRunner().invoke(app, ["status", "--interval", interval])
     assert res.exit_code == 2 and "--interval must be 0.1..3600 seconds" in res.output
+
+
+def test_version():
+    from epdq import __version__
+    from epdq.protocol import PROTOCOL_VERSION
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"epdq {__version__} (wire protocol {PROTOCOL_VERSION})"
