@@ -165,8 +165,7 @@ class Broker:
             if self.cfg.metrics_address:  # before anyone is told we are ready: it can fail
                 host, _, port = self.cfg.metrics_address.rpartition(":")
                 # a draining broker is not ready: load balancers stop sending clients to it
-                self._metrics = MetricsServer(self.render_metrics,
-                                              lambda: bool(self.scheduler.workers) and not self.draining)  # fmt: skip
+                self._metrics = MetricsServer(self.render_metrics, self._unready_reason)
                 try:
                     bound = await self._metrics.start(host or "127.0.0.1", int(port))
                 except (OSError, ValueError) as e:
@@ -359,6 +358,11 @@ class Broker:
         gauges["uptime_s"] = time.monotonic() - self.started_at
         gauges["clients"] = float(len(self._clients))
         return P.Stats(nonce, counters, gauges, workers)
+
+    def _unready_reason(self) -> str | None:
+        if self.draining:
+            return "draining: the broker is shutting down"
+        return None if self.scheduler.workers else "no workers"
 
     def render_metrics(self) -> str:
         s = self.stats()

@@ -58,12 +58,17 @@ def _escape(v: str) -> str:
 
 
 class MetricsServer:
-    """GET /metrics (Prometheus text) and GET /health on host:port; anything else is 404."""
+    """GET /metrics (Prometheus text) and GET /health on host:port; anything else is 404.
 
-    def __init__(self, render: Callable[[], str], health: Callable[[], bool] = lambda: True):
+    `health` returns None when ready, else the reason (the 503's body)."""
+
+    MAX_CONNECTIONS = 64  # scrapers need a few; idle sockets beyond this must not eat the broker's fds
+
+    def __init__(self, render: Callable[[], str], health: Callable[[], str | None] = lambda: None):
         self._render = render
         self._health = health
         self._server: asyncio.base_events.Server | None = None
+        self._open = 0
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
@@ -72,6 +77,10 @@ class MetricsServer:
         return self.port
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= self.MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._open += 1
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
             method, _, rest = request.partition(b" ")
@@ -81,9 +90,9 @@ class MetricsServer:
             elif path == b"/metrics":
                 status, body, ctype = "200 OK", self._render().encode(), "text/plain; version=0.0.4"
             elif path == b"/health":
-                ok = self._health()
-                status, body, ctype = ("200 OK", b"ok\n", "text/plain") if ok else ("503 Service Unavailable",
-                                                                                     b"no workers\n", "text/plain")  # fmt: skip
+                problem = self._health()
+                status, body, ctype = ("200 OK", b"ok\n", "text/plain") if problem is None else (
+                    "503 Service Unavailable", f"{problem}\n".encode(), "text/plain")  # fmt: skip
             else:
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -92,6 +101,7 @@ class MetricsServer:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             pass  # a scraper that hung up or sent junk
         finally:
+            self._open -= 1
             writer.close()
 
     def close(self) -> None:
