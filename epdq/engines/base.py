@@ -186,8 +186,19 @@ def render_chat_prompt(tokenizer, messages: list[dict], max_images: int) -> str:
     except Exception as exc:  # jinja errors: the template rejected these messages
         raise InvalidInputError(f"chat template failed: {exc}") from exc
     if prompt.count(IMAGE_PLACEHOLDER) != n_images:
+        if any(IMAGE_PLACEHOLDER in text for text in _texts(messages)):
+            raise InvalidInputError(f"message text may not contain {IMAGE_PLACEHOLDER}: the model reserves it for images")
         raise InvalidInputError("the chat template did not produce one image placeholder per image part")
     return prompt
+
+
+def _texts(messages: list[dict]):
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if p.get("type") in _TEXT_PART_TYPES)
 
 
 def embed_rows(grid_thw, merge_size: int) -> int:
