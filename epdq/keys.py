@@ -35,6 +35,12 @@ def ensure_cluster_keys(directory: str | os.PathLike | None = None) -> Path:
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     for role in ROLES:
         if not (d / f"{role}.key_secret").exists():
+            if (d / f"{role}.key").exists() or (d / f"{role}.key").is_symlink():
+                # a new pair would not match what others already trust: the operator decides
+                raise InvalidInputError(
+                    f"{d / role}.key exists without its secret {role}.key_secret: put the secret key back, or "
+                    f"remove {role}.key (and allowed/{role}.key) to make a new pair"
+                )
             generate_keypair(d, role)
     allowed = d / "allowed"
     allowed.mkdir(mode=0o700, exist_ok=True)

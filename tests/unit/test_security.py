@@ -263,3 +263,18 @@ def test_apply_server_refuses_a_context_without_authenticator(tmp_path):
 def test_peer_key_without_curve_is_none():
     assert peer_key(b"bytes") is None
     assert peer_key(zmq.Frame(b"x")) is None
+
+
+def test_cluster_keys_refuse_a_public_key_without_its_secret(tmp_path):
+    from epdq.keys import ensure_cluster_keys
+
+    d = ensure_cluster_keys(tmp_path / "keys")
+    before = (d / "client.key").read_bytes()
+    (d / "client.key_secret").unlink()  # lost: a new pair would not match allowed/client.key
+    with pytest.raises(InvalidInputError, match="client.key exists without its secret"):
+        ensure_cluster_keys(d)
+    assert (d / "client.key").read_bytes() == before
+    (d / "client.key").unlink()
+    (d / "allowed" / "client.key").unlink()
+    ensure_cluster_keys(d)  # removed as the message says: a new pair, trusted again
+    assert (d / "allowed" / "client.key").read_bytes() == (d / "client.key").read_bytes() != before
