@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from epdq.client import AsyncClient
+from epdq.errors import BrokerUnavailableError
 
 
 def summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -83,15 +84,30 @@ def render(s: dict[str, Any], address: str) -> str:
 
 
 async def show(address: str, *, once: bool, as_json: bool, interval: float = 1.0, **client_kw: Any) -> None:
+    """Print the summary once, or every `interval` seconds. The live view outlasts the broker: while
+    it does not answer (a restart, a rolling upgrade) it says since when, and resumes when it does."""
     async with AsyncClient(address, **client_kw) as c:
+        down_since: float | None = None
         while True:
-            s = summary(await c.stats())
-            if as_json:
-                print(json.dumps(s), flush=True)
-            else:
-                if not once and sys.stdout.isatty():
-                    sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
-                print(render(s, address), flush=True)
+            try:
+                s = summary(await c.stats(timeout=5.0 if once else min(5.0, max(1.0, 2 * interval))))
+            except BrokerUnavailableError as e:
+                if once:
+                    raise
+                down_since = down_since or time.time()
+                _emit(json.dumps({"error": e.code, "message": e.message, "since": down_since}) if as_json else
+                      f"epdq broker {address}   UNREACHABLE since {time.strftime('%H:%M:%S', time.localtime(down_since))} "
+                      f"({time.time() - down_since:.0f}s): {e.message}; retrying", as_json)  # fmt: skip
+                await asyncio.sleep(interval)
+                continue
+            down_since = None
+            _emit(json.dumps(s) if as_json else render(s, address), as_json, redraw=not once)
             if once:
                 return
             await asyncio.sleep(interval)
+
+
+def _emit(text: str, as_json: bool, redraw: bool = True) -> None:
+    if not as_json and redraw and sys.stdout.isatty():
+        sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
+    print(text, flush=True)
