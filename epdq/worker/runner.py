@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -91,12 +92,29 @@ class WorkerConfig:
             raise ValueError("worker_id must be at most 128 characters")
 
 
+def _check_model_type(model: str) -> None:
+    # before any engine loads: an unsupported family would fail deep inside vLLM or transformers
+    from epdq.engines import SUPPORTED_MODEL_TYPES
+
+    try:
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            config = json.loads(f.read(1 << 20))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {model!r}/config.json: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{model!r} is a {model_type!r} checkpoint; epdq serves {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2-VL, Qwen2.5-VL)"
+        )
+
+
 def resolve_model(model: str) -> str:
     if model:
         if not os.path.isdir(model):
             raise ConfigError(f"model directory {model!r} does not exist")
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ConfigError(f"{model!r} has no config.json: not a Hugging Face checkpoint directory")
+        _check_model_type(model)
         return model
     from epdq.models.tiny import default_model_dir
 

@@ -208,6 +208,8 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     line and a non-zero exit, from `broker`, `worker` and `up` alike; `up` never attaches to
     the other broker it finds at its address."""
     (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -232,6 +234,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
               + f":{busy.getsockname()[1]}"], "error (config): cannot serve metrics on"),  # fmt: skip
             (["worker", "--role", "pd", "--model", str(tmp_path / "nope")], "error (config): model directory"),
             (["worker", "--role", "pd", "--model", str(tmp_path / "not-a-model")], "has no config.json"),
+            (["worker", "--role", "encoder", "--model", str(tmp_path / "llama")], "is a 'llama' checkpoint; epdq serves"),
             (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
               "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
         ]

@@ -35,3 +35,10 @@ def test_library_never_imports_the_cli():
         p for p in root.rglob("*.py") if "import typer" in p.read_text() or "from cli" in p.read_text()
     ]
     assert not offenders
+
+
+def test_the_supported_model_families_are_the_vision_towers_known():
+    from epdq.engines import SUPPORTED_MODEL_TYPES
+    from epdq.engines.vision import _VISION_CLASSES
+
+    assert set(SUPPORTED_MODEL_TYPES) == set(_VISION_CLASSES)
