@@ -92,7 +92,7 @@ class WorkerConfig:
             raise ValueError("worker_id must be at most 128 characters")
 
 
-def _check_model_type(model: str) -> None:
+def _check_checkpoint(model: str) -> None:
     # before any engine loads: an unsupported family would fail deep inside vLLM or transformers
     from epdq.engines import SUPPORTED_MODEL_TYPES
 
@@ -106,6 +106,9 @@ def _check_model_type(model: str) -> None:
         raise ConfigError(
             f"{model!r} is a {model_type!r} checkpoint; epdq serves {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2-VL, Qwen2.5-VL)"
         )
+    if not any(os.path.isfile(os.path.join(model, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        # a partial copy or download: vLLM would fail deep in its engine process
+        raise ConfigError(f"{model!r} has no weights (model.safetensors or model.safetensors.index.json)")
 
 
 def resolve_model(model: str) -> str:
@@ -114,7 +117,7 @@ def resolve_model(model: str) -> str:
             raise ConfigError(f"model directory {model!r} does not exist")
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ConfigError(f"{model!r} has no config.json: not a Hugging Face checkpoint directory")
-        _check_model_type(model)
+        _check_checkpoint(model)
         return model
     from epdq.models.tiny import default_model_dir
 

@@ -210,6 +210,8 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "no-weights").mkdir()  # a partial copy: the config, no weights
+    (tmp_path / "no-weights" / "config.json").write_text('{"model_type": "qwen2_vl"}')
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -235,6 +237,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             (["worker", "--role", "pd", "--model", str(tmp_path / "nope")], "error (config): model directory"),
             (["worker", "--role", "pd", "--model", str(tmp_path / "not-a-model")], "has no config.json"),
             (["worker", "--role", "encoder", "--model", str(tmp_path / "llama")], "is a 'llama' checkpoint; epdq serves"),
+            (["worker", "--role", "pd", "--model", str(tmp_path / "no-weights")], "has no weights (model.safetensors"),
             (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
               "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
         ]
