@@ -109,6 +109,8 @@ def _check_checkpoint(model: str) -> None:
     if not any(os.path.isfile(os.path.join(model, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
         # a partial copy or download: vLLM would fail deep in its engine process
         raise ConfigError(f"{model!r} has no weights (model.safetensors or model.safetensors.index.json)")
+    if not os.path.isfile(os.path.join(model, "preprocessor_config.json")):
+        raise ConfigError(f"{model!r} has no preprocessor_config.json (the image processor's settings)")
 
 
 def resolve_model(model: str) -> str:

@@ -212,6 +212,9 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     (tmp_path / "no-weights").mkdir()  # a partial copy: the config, no weights
     (tmp_path / "no-weights" / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    (tmp_path / "no-processor").mkdir()
+    (tmp_path / "no-processor" / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    (tmp_path / "no-processor" / "model.safetensors").write_bytes(b"")
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -238,6 +241,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             (["worker", "--role", "pd", "--model", str(tmp_path / "not-a-model")], "has no config.json"),
             (["worker", "--role", "encoder", "--model", str(tmp_path / "llama")], "is a 'llama' checkpoint; epdq serves"),
             (["worker", "--role", "pd", "--model", str(tmp_path / "no-weights")], "has no weights (model.safetensors"),
+            (["worker", "--role", "encoder", "--model", str(tmp_path / "no-processor")], "has no preprocessor_config.json"),
             (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
               "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
         ]
