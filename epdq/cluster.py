@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,8 @@ class Cluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot use {self.log_dir} as the log directory: {e.strerror or e}") from None
+        if self.spec.http:
+            _check_port_free(self.spec.http)
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
         if self.address.startswith("tcp://") and not self.spec.insecure:
             try:
@@ -361,3 +364,19 @@ def kill_child(ch: Child) -> None:
     """SIGKILL one child (chaos tests)."""
     os.kill(ch.proc.pid, signal.SIGKILL)
     ch.proc.wait(10)
+
+
+def _check_port_free(host_port: str) -> None:
+    """The gateway starts last, after every worker has loaded: a port already taken must fail
+    the start at once instead (a probe; the gateway's own bind still decides)."""
+    host, _, port = host_port.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        probe.bind((host, int(port)))
+    except OSError as e:
+        raise ConfigError(f"cannot serve HTTP on {host_port}: {e.strerror or e}") from None
+    finally:
+        probe.close()

@@ -300,14 +300,23 @@ def test_bad_broker_worker_and_up_settings_are_usage_errors(argv, message, tmp_p
     assert message in " ".join(r.stderr.replace("│", " ").split())  # the box may wrap the line
 
 
-def test_up_with_an_unusable_log_or_keys_directory_says_so_in_one_line(tmp_path):
+def test_up_with_an_unusable_log_or_keys_directory_or_http_port_says_so_in_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    for argv, message in (
-        (["--address", f"ipc://{tmp_path}/b.sock", "--log-dir", str(blocker)], "as the log directory"),
-        (["--address", "tcp://127.0.0.1:7790", "--log-dir", str(tmp_path / "logs"), "--keys-dir", str(blocker / "k")],
-         "cannot write CURVE keys to"),
-    ):  # fmt: skip
-        r = subprocess.run([*EPDQ, "up", *argv], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and message in r.stderr, r.stderr[-1500:]
-        assert "Traceback" not in r.stderr and "stopping" not in r.stdout  # nothing had started
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        for argv, message in (
+            (["--address", f"ipc://{tmp_path}/b.sock", "--log-dir", str(blocker)], "as the log directory"),
+            (["--address", "tcp://127.0.0.1:7790", "--log-dir", str(tmp_path / "logs"), "--keys-dir",
+              str(blocker / "k")], "cannot write CURVE keys to"),
+            # the gateway starts after every worker has loaded: a taken port must fail at once
+            (["--address", f"ipc://{tmp_path}/b.sock", "--log-dir", str(tmp_path / "logs"), "--http",
+              f"127.0.0.1:{busy.getsockname()[1]}"], "cannot serve HTTP on 127.0.0.1:"),
+        ):  # fmt: skip
+            r = subprocess.run([*EPDQ, "up", *argv], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and message in r.stderr, r.stderr[-1500:]
+            assert "Traceback" not in r.stderr and "stopping" not in r.stdout  # nothing had started
+    finally:
+        busy.close()
