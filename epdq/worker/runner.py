@@ -68,8 +68,8 @@ class WorkerConfig:
             raise ValueError("capacity must be in [0, 4096]")
         if self.capacity == 0:
             self.capacity = 8 if self.role == "encoder" else 16
-        if self.ring_bytes < 2**20:
-            raise ValueError("ring_bytes must be >= 1 MiB")
+        if not 2**20 <= self.ring_bytes <= 64 << 30:  # the ring's own bounds (epdq.ring.MAX_CAPACITY)
+            raise ValueError("ring_bytes must be 1 MiB..64 GiB")
         if not 0.01 <= self.heartbeat_s <= 600:
             raise ValueError("heartbeat_s must be in [0.01, 600]")
         if self.engine not in ("auto", "hf", "noop"):

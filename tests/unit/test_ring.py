@@ -682,3 +682,15 @@ def test_view_is_zero_copy_and_check_detects_overwrite():
             del v
         finally:
             r.close()
+
+
+def test_the_workers_ring_setting_has_the_rings_bounds():
+    # a usage error for `epdq worker --ring-mb 100000`, not a ValueError traceback from the ring
+    from epdq.ring import MAX_CAPACITY, MIN_CAPACITY
+    from epdq.worker.runner import WorkerConfig
+
+    for ok in (MIN_CAPACITY, MAX_CAPACITY):
+        WorkerConfig(role="encoder", ring_bytes=ok)
+    for bad in (MIN_CAPACITY - 1, MAX_CAPACITY + 1):
+        with pytest.raises(ValueError, match="ring_bytes must be 1 MiB..64 GiB"):
+            WorkerConfig(role="encoder", ring_bytes=bad)
