@@ -50,6 +50,15 @@ def _one_address(positional: str, option: str | None) -> str:
     return option
 
 
+def _setup_logging(level: str, fmt: str, *, vllm: bool = False) -> None:
+    from epdq.logs import setup_logging
+
+    try:
+        setup_logging(level, fmt, vllm=vllm)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--log-format") from None
+
+
 def _run(coro):
     from epdq.launch import run
 
@@ -81,11 +90,10 @@ def broker(
     """Run the broker."""
     from epdq.broker import BrokerConfig
     from epdq.launch import serve_broker
-    from epdq.logs import setup_logging
 
     if log_level not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter("log level must be debug, info, warning or error")
-    setup_logging(log_level, log_format)
+    _setup_logging(log_level, log_format)
     try:
         cfg = BrokerConfig(
             address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
@@ -132,10 +140,9 @@ def worker(
 ) -> None:
     """Run one worker."""
     from epdq.launch import serve_worker
-    from epdq.logs import setup_logging
     from epdq.worker.runner import WorkerConfig
 
-    setup_logging("info", log_format, vllm=True)
+    _setup_logging("info", log_format, vllm=True)
     try:
         cfg = WorkerConfig(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,

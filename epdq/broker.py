@@ -401,8 +401,8 @@ class Broker:
         if msg.protocol_version != P.PROTOCOL_VERSION:
             self._send(identity, P.Bye(f"protocol version {msg.protocol_version} != {P.PROTOCOL_VERSION}"))
             return
-        if not 1 <= msg.capacity <= 4096 or not msg.worker_id or len(msg.worker_id) > 128:
-            self._send(identity, P.Bye("capacity must be in [1, 4096] and worker_id 1..128 characters"))
+        if not 1 <= msg.capacity <= 4096 or not 1 <= len(msg.worker_id) <= 128 or not 1 <= len(msg.node) <= 128:
+            self._send(identity, P.Bye("capacity must be in [1, 4096], worker_id and node 1..128 characters"))
             return
         if role is Role.ENCODER:
             if not self.scope:

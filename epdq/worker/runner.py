@@ -87,6 +87,8 @@ class WorkerConfig:
         self.ring = resolve_ring(self.ring, self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.node = self.node or socket.gethostname()
+        if len(self.node) > 128:  # the broker refuses longer ones
+            raise ValueError("node must be at most 128 characters")
         self.worker_id = self.worker_id or f"{self.role}-{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         if len(self.worker_id) > 128:
             raise ValueError("worker_id must be at most 128 characters")

@@ -292,7 +292,7 @@ def hostile_registers(rng: random.Random) -> list[list[bytes]]:
         dict(role="root"), dict(role=""), dict(role="x" * 10_000), dict(capacity=0), dict(capacity=-1),
         dict(capacity=4097), dict(capacity=2**63 - 1), dict(worker_id=""), dict(worker_id="w" * 129),
         dict(worker_id="w" * 100_000), dict(protocol_version=0), dict(protocol_version=2**64 - 1),
-        dict(role="encoder", scope="some-other-model"),
+        dict(role="encoder", scope="some-other-model"), dict(node=""), dict(node="n" * 129), dict(node="n" * 100_000),
     ]  # fmt: skip
     out = []
     for i in range(60):
@@ -949,3 +949,22 @@ async def test_link_keeps_a_sane_heartbeat_after_hostile_registered(tmp_path):
         )
     finally:
         await stop_workers(w)
+
+
+async def test_registers_with_bad_ids_or_nodes_get_a_bye_naming_the_limits(tmp_path):
+    ctx = zmq.Context()
+    try:
+        async with Cluster(noop_spec(tmp_path)) as cluster:
+            for kw in (dict(node="n" * 129), dict(node=""), dict(worker_id="w" * 129)):
+                sock = raw_socket(ctx, zmq.DEALER, connect=cluster.address)
+                try:
+                    reg = dict(worker_id="fuzz-node", role="pd", node="n", capacity=4, scope="", model="m", pid=1) | kw
+                    sock.send_multipart(P.encode(P.Register(**reg)))
+                    bye = await recv_until(sock, lambda f: f[0] == bytes([T.BYE]), timeout=10)
+                    assert "worker_id and node 1..128 characters" in P.decode(bye)[0].reason, kw
+                finally:
+                    sock.close(0)
+            async with AsyncClient(cluster.address) as c:
+                assert {w["worker_id"] for w in (await c.stats())["workers"]} == {"encoder-0", "pd-0"}
+    finally:
+        ctx.term()
