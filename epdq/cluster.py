@@ -26,6 +26,7 @@ from epdq.broker import BrokerConfig
 from epdq.client import AsyncClient
 from epdq.errors import BrokerUnavailableError, ConfigError
 from epdq.keys import ensure_cluster_keys
+from epdq.transport import host_port_problem
 from epdq.worker.runner import WorkerConfig
 
 
@@ -54,17 +55,16 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for name in ("metrics", "http"):
             value = getattr(self, name)
-            if value:
-                host, sep, port = value.rpartition(":")
-                if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                    raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
+            problem = host_port_problem(value, name) if value else None
+            if problem:
+                raise ValueError(problem)
         if {"broker_address", "host", "port"} & set(self.http_options):
             raise ValueError("http_options cannot set broker_address, host or port (use http=HOST:PORT)")
         if self.http:  # the gateway starts last: a bad option must not wait for every worker to load
             from epdq.gateway import GatewayConfig
 
-            host, _, port = self.http.rpartition(":")
-            GatewayConfig(self.address, host=host, port=int(port), **self.http_options)
+            host, port = _split_host_port(self.http)
+            GatewayConfig(self.address, host=host, port=port, **self.http_options)
         if min(self.encoders, self.pds, self.both) < 0:
             raise ValueError("worker counts must be >= 0")
         if self.encoders + self.pds + self.both == 0:
@@ -191,7 +191,7 @@ class Cluster:
         except OSError as e:
             raise ConfigError(f"cannot use {self.log_dir} as the log directory: {e.strerror or e}") from None
         if self.spec.http:
-            _check_port_free(self.spec.http)
+            _check_port_free(*_split_host_port(self.spec.http))
         bcfg = self.spec.broker or BrokerConfig(address=self.address)
         if self.address.startswith("tcp://") and not self.spec.insecure:
             try:
@@ -217,19 +217,19 @@ class Cluster:
             self._spawn(name, "worker", wcfg)
         await self.wait_ready(want, say)
         if self.spec.http:
-            host, _, port = self.spec.http.rpartition(":")
-            gcfg = dict(self.spec.http_options, broker_address=self.address, host=host, port=int(port),
+            host, port = _split_host_port(self.spec.http)
+            gcfg = dict(self.spec.http_options, broker_address=self.address, host=host, port=port,
                         keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
             say(f"starting the HTTP gateway on {self.http_url}")
             self._spawn("gateway", "gateway", gcfg)
-            await self._wait_http(host, int(port))
+            await self._wait_http(host, port)
 
     @property
     def http_url(self) -> str:
         """Base URL of the gateway (`http=` in the spec), e.g. http://127.0.0.1:8000."""
         if not self.spec.http:
             return ""
-        host, _, port = self.spec.http.rpartition(":")
+        host, port = _split_host_port(self.spec.http)
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -366,17 +366,21 @@ def kill_child(ch: Child) -> None:
     ch.proc.wait(10)
 
 
-def _check_port_free(host_port: str) -> None:
+def _split_host_port(value: str) -> tuple[str, int]:
+    """HOST:PORT (checked by ClusterSpec) as (host, port)."""
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def _check_port_free(host: str, port: int) -> None:
     """The gateway starts last, after every worker has loaded: a port already taken must fail
     the start at once instead (a probe; the gateway's own bind still decides)."""
-    host, _, port = host_port.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    probe = socket.socket(family, socket.SOCK_STREAM)
+    bare = host.strip("[]")
+    probe = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
     try:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        probe.bind((host, int(port)))
+        probe.bind((bare, port))
     except OSError as e:
-        raise ConfigError(f"cannot serve HTTP on {host_port}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
     finally:
         probe.close()

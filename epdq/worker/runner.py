@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epdq import protocol as P
+from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
 from epdq.transport import endpoint_problem
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
@@ -96,8 +97,6 @@ class WorkerConfig:
 
 def _check_checkpoint(model: str) -> None:
     # before any engine loads: an unsupported family would fail deep inside vLLM or transformers
-    from epdq.engines import SUPPORTED_MODEL_TYPES
-
     try:
         with open(os.path.join(model, "config.json"), "rb") as f:
             config = json.loads(f.read(1 << 20))
