@@ -202,12 +202,17 @@ def read_local_image(ref: str, allow_dir: str, max_bytes: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         raise bad_request("image file not found or not readable", "path_not_allowed") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        # checked on the raw fd: os.fdopen itself refuses a directory, and would leak the fd
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise bad_request("image path is not a regular file", "path_not_allowed")
         if st.st_size > max_bytes:
             raise bad_request(f"image file is larger than {max_bytes} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise bad_request(f"image file is larger than {max_bytes} bytes")
