@@ -7,8 +7,10 @@ that applies: Pillow's global MAX_IMAGE_PIXELS is neither consulted nor changed.
 
 Multi-frame images (animated GIF/WebP/PNG) are accepted and decoded as their first frame, the
 frame Hugging Face and vLLM processors use. Transparent images are composited onto white before
-the RGB conversion, as those processors do, so colocated and disaggregated paths agree. EXIF
-orientation is not applied (neither do they).
+the RGB conversion, as those processors do, so colocated and disaggregated paths agree. An EXIF
+orientation (a phone photo taken sideways) is applied first, as vLLM does for every image it is
+given: without it an encoder would embed the picture on its side while a colocated engine sees it
+upright.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def decode_image(
         # Some formats (GIF frames) can grow past their header's size while opening.
         _check_size(im.size, max_pixels)
         im.load()
-        return _to_rgb(im, Image)
+        return _to_rgb(_upright(im), Image)
     except InvalidInputError:
         raise
     except Exception as e:  # untrusted bytes through C decoders: any failure is the input's
@@ -195,6 +197,22 @@ def _plugin(fmt: str) -> Any:
     else:
         from PIL.BmpImagePlugin import BmpImageFile as cls
     return cls
+
+
+_EXIF_ORIENTATION = 0x0112
+
+
+def _upright(im: Image.Image) -> Image.Image:
+    """`im` turned as its EXIF orientation says; what vLLM's `normalize_image` does, in the same
+    way (a broken EXIF block leaves the image as it is), so both paths see the same pixels."""
+    try:
+        if im.getexif().get(_EXIF_ORIENTATION, 1) not in (2, 3, 4, 5, 6, 7, 8):
+            return im  # the common case: no EXIF, or upright; skips exif_transpose's copy
+        from PIL import ImageOps
+
+        return ImageOps.exif_transpose(im)
+    except Exception:  # untrusted EXIF: a block Pillow cannot parse is ignored, as vLLM ignores it
+        return im
 
 
 def _to_rgb(im: Image.Image, Image: Any) -> Image.Image:

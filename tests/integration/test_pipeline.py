@@ -8,8 +8,10 @@ take the remote-fetch path. Greedy outputs must be token-identical to the coloca
 from __future__ import annotations
 
 import asyncio
+import io
 
 import pytest
+from PIL import Image
 
 from epdq import AsyncClient, InvalidInputError
 from epdq.cluster import Cluster, ClusterSpec
@@ -23,6 +25,16 @@ SIZES = [(112, 112), (160, 96), (84, 140), (196, 168)]
 
 def img(seed: int, size=(112, 112)) -> bytes:
     return demo_image(seed, size)
+
+
+def sideways_photo(seed: int, size=(160, 96)) -> bytes:
+    """A JPEG whose EXIF says "turn me 90°", as phones save portrait photos."""
+    im = Image.open(io.BytesIO(img(seed, size)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
+    return buf.getvalue()
 
 
 
@@ -65,6 +77,7 @@ async def counters(address: str) -> dict:
         ("two images", [img(12, SIZES[1]), img(13, SIZES[2])]),
         ("four images", [img(14 + i, s) for i, s in enumerate(SIZES)]),
         ("same image twice", [img(20, SIZES[1]), img(20, SIZES[1])]),
+        ("sideways phone photo", [sideways_photo(21)]),  # vLLM turns it upright: so must the encoder
     ],
 )
 async def test_epd_is_token_identical_to_colocated(local_cluster, name, images):

@@ -103,6 +103,40 @@ def test_decode_composites_transparency_on_white():
     assert decode_image(buf.getvalue()).getpixel((0, 0)) == (255, 255, 255)
 
 
+def oriented(fmt: str, orientation: int | None, exif: bytes | None = None) -> bytes:
+    """A 12x7 picture whose every pixel differs, saved with an EXIF orientation tag."""
+    im = Image.new("RGB", (12, 7))
+    im.putdata([(x * 20, y * 30, (x * 7 + y * 13) % 256) for y in range(7) for x in range(12)])
+    if exif is None and orientation is not None:
+        e = Image.Exif()
+        e[0x0112] = orientation
+        exif = e.tobytes()
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **({"exif": exif} if exif is not None else {}), **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data:UserWarning")  # Pillow's, on the garbage case
+def test_decode_applies_exif_orientation_exactly_as_vllm_does(fmt):
+    # A colocated vLLM engine turns every image it is given upright (normalize_image); an encoder
+    # that did not would embed a phone photo on its side, and the two routes would answer differently.
+    from vllm.multimodal.image import convert_image_mode, normalize_image
+
+    cases = [None, *range(1, 9), 0, 9, 65535]
+    cases_bytes = [oriented(fmt, o) for o in cases] + [oriented(fmt, None, exif=b"Exif\x00\x00MM\x00*garbage")]
+    for data in cases_bytes:
+        ours = decode_image(data)
+        theirs = convert_image_mode(normalize_image(Image.open(io.BytesIO(data))), "RGB")
+        assert ours.size == theirs.size and ours.tobytes() == theirs.tobytes()
+    # orientations 5..8 swap the axes
+    assert decode_image(oriented(fmt, 6)).size == (7, 12)
+    assert decode_image(oriented(fmt, 3)).size == (12, 7)
+    # turned once only: the colocated engine applies normalize_image again to what we decoded
+    once = decode_image(oriented(fmt, 6))
+    assert normalize_image(once).tobytes() == once.tobytes()
+
+
 def test_decode_takes_the_first_frame_of_an_animation():
     frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
     buf = io.BytesIO()
