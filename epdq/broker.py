@@ -326,12 +326,17 @@ class Broker:
                 raise InvalidInputError(f"image {i} is not a supported image format")
 
     def _on_cancel(self, identity: bytes, peer: _Peer | None, msg: P.Cancel, payload: list[Any]) -> None:
-        if self.scheduler.cancel(msg.request_id, identity) and self.cfg.log_requests:
+        cancelled = self.scheduler.cancel(msg.request_id, identity)
+        if cancelled:
+            self._forget_client_request(identity, msg.request_id)  # no Fail follows a cancel
+        if cancelled and self.cfg.log_requests:
             log.info("request %s cancelled by the client", msg.request_id,
                      extra={"request_id": msg.request_id, "event": "request_cancelled"})  # fmt: skip
 
     def _on_ping(self, identity: bytes, peer: _Peer | None, msg: P.Ping, payload: list[Any]) -> None:
-        self._send(identity, P.Pong(msg.nonce, self.broker_id))
+        held = self._clients.get(identity, ())
+        unknown = [rid for rid in msg.request_ids if rid not in held]
+        self._send(identity, P.Pong(msg.nonce, self.broker_id, unknown))
 
     def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:
         self._send(identity, self.stats(msg.nonce))

@@ -124,8 +124,10 @@ class AsyncClient:
 
     def _ping(self) -> None:
         if self._channel is not None:
+            # the oldest requests first: after a restart each ping finds up to MAX_PING_IDS more lost ones
+            ids = list(itertools.islice(self._streams, P.MAX_PING_IDS))
             try:
-                self._channel.send(P.encode(P.Ping(next(self._nonce))))
+                self._channel.send(P.encode(P.Ping(next(self._nonce), ids)))
             except zmq.ZMQError:
                 pass
 
@@ -192,9 +194,16 @@ class AsyncClient:
             return
         self._last_heard = time.monotonic()
         if isinstance(msg, P.Pong):
-            if self._broker_id is not None and msg.broker_id != self._broker_id:
-                self._fail_all(BrokerUnavailableError("the broker restarted; in-flight requests were lost"))
+            # Only the requests the broker says it does not hold are lost. A new broker_id alone
+            # says nothing about them: a broker that restarted while this client was idle holds
+            # every request sent since, and answers them.
+            restarted = self._broker_id is not None and msg.broker_id != self._broker_id
             self._broker_id = msg.broker_id
+            for rid in msg.unknown:
+                q = self._streams.get(rid)
+                if q is not None:  # (its answer may have arrived just before: then this is ignored)
+                    why = "restarted" if restarted else "holds no such request (restarted, or dropped the message)"
+                    q.put_nowait(BrokerUnavailableError(f"the broker {why}: the request was lost", request_id=rid))
         elif isinstance(msg, (P.Tokens, P.Error)):
             q = self._streams.get(msg.request_id)
             if q is not None:

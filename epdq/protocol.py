@@ -19,7 +19,9 @@ import msgspec
 
 from epdq.errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN
+# 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN;
+# 5: PING carries the client's requests in flight, PONG those the broker does not hold
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
@@ -122,13 +124,21 @@ class StatsRequest(_S):
     nonce: int = 0
 
 
+MAX_PING_IDS = 4096  # request ids are 1..128 characters: a full PING stays far below MAX_HEADER_BYTES
+_PingIds = Annotated[list[Annotated[str, msgspec.Meta(max_length=128)]], msgspec.Meta(max_length=MAX_PING_IDS)]
+
+
 class Ping(_S):
     nonce: int = 0
+    # The client's requests in flight. Messages on one connection arrive in order, so any of them
+    # the broker does not hold when this arrives, and has not answered, is lost (a restart).
+    request_ids: _PingIds = []
 
 
 class Pong(_S):
     nonce: int
     broker_id: str  # random per broker process: a change means the broker restarted
+    unknown: _PingIds = []  # those of the PING's request ids this broker holds no request for
 
 
 class Tokens(_S):

@@ -162,7 +162,7 @@ def template(rng: random.Random, t: T) -> tuple[P._S, list[bytes]]:
     table: dict[T, Any] = {
         T.CANCEL: lambda: P.Cancel(_rstr(rng)),
         T.STATS_REQUEST: lambda: P.StatsRequest(rng.randint(0, 2**63 - 1)),
-        T.PING: lambda: P.Ping(rng.randint(0, 2**63 - 1)),
+        T.PING: lambda: P.Ping(rng.randint(0, 2**63 - 1), [_rstr(rng) for _ in range(rng.randint(0, 3))]),
         T.PONG: lambda: P.Pong(1, "b"),
         T.TOKENS: lambda: P.Tokens(_rstr(rng), [1, 2], "xy", rng.choice([None, "length"]), P.Timings()),
         T.ERROR: lambda: P.Error("r", "busy", "m", 1.0),

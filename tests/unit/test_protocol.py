@@ -105,3 +105,12 @@ def test_batch_round_trip_and_malformed_batches():
     ):
         with pytest.raises(ProtocolError):
             P.split_batch(bad)
+
+
+def test_ping_request_ids_are_bounded():
+    ids = [f"c-{i}" for i in range(P.MAX_PING_IDS)]
+    assert P.decode(P.encode(P.Ping(1, ids)))[0].request_ids == ids
+    assert P.decode(P.encode(P.Pong(1, "b", ids[:2])))[0].unknown == ids[:2]
+    for bad in (ids + ["one more"], ["x" * 129]):
+        with pytest.raises(ProtocolError):
+            P.decode(P.encode(P.Ping(1, bad)))
