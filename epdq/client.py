@@ -37,6 +37,9 @@ log = logging.getLogger("epdq.client")
 
 # how long past the request deadline the client waits for the broker's own deadline error
 _GRACE_S = 2.0
+# A broker counts as silent only once the images sent to it could have arrived at this rate (a
+# slow CURVE link): a large upload queues this client's pings behind it for as long as it takes.
+_SLOWEST_LINK_BPS = 20e6
 _ZERO_COPY_BYTES = 64 * 1024  # below this, ZeroMQ copies anyway and Frame objects only cost
 
 
@@ -101,6 +104,7 @@ class AsyncClient:
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self._last_heard = 0.0
+        self._upload_until = 0.0  # monotonic time by which the images sent so far should be through
         self._broker_id: str | None = None
         self._pinger: asyncio.Task | None = None
         self.reconnects = 0
@@ -148,7 +152,7 @@ class AsyncClient:
             if not self._streams:
                 self._last_heard = time.monotonic()
                 continue
-            silent = time.monotonic() - self._last_heard
+            silent = time.monotonic() - max(self._last_heard, self._upload_until)
             if silent > self.heartbeat_s * self.liveness:
                 self._fail_all(BrokerUnavailableError(f"broker {self.address} silent for {silent:.1f}s"))
                 # a fresh socket (new identity) for later requests; ZeroMQ reconnects by itself
@@ -328,7 +332,11 @@ class AsyncClient:
             raise InvalidInputError(
                 f"the request's text is {len(head[1])} bytes encoded; at most {P.MAX_HEADER_BYTES} go in one request"
             )
-        return rid, head + blobs, sum(len(b) for b in blobs) < _ZERO_COPY_BYTES, float(timeout)
+        nbytes = sum(len(b) for b in blobs)
+        if nbytes:
+            # the broker reads our messages in order: its PONGs wait behind these bytes
+            self._upload_until = max(self._upload_until, time.monotonic()) + nbytes / _SLOWEST_LINK_BPS
+        return rid, head + blobs, nbytes < _ZERO_COPY_BYTES, float(timeout)
 
     async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from epdq.errors import ConfigError, ProtocolError
-from epdq.protocol import BATCH_TYPE, pack_batch, split_batch
+from epdq.protocol import BATCH_TYPE, MAX_BATCH, pack_batch, split_batch
 from epdq.security import SecurityConfig, apply_client, apply_server, curve_required, ensure_authenticator
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,30 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return ep.decode() if isinstance(ep, bytes) else str(ep)
 
 
+BATCH_PAYLOAD_BYTES = 4 * 2**20
+
+
+def _batches(msgs: list[tuple[list[Any], bool]]) -> list[list[tuple[list[Any], bool]]]:
+    """`msgs` cut into BATCH messages the receiver accepts (at most MAX_BATCH messages) and that
+    stay small: ZeroMQ hands a message over only once all of it arrived, so one BATCH of large
+    payloads would hold back everything behind it (pings included) and be refused whole."""
+    if len(msgs) <= 1:
+        return [msgs]
+    out: list[list[tuple[list[Any], bool]]] = []
+    chunk: list[tuple[list[Any], bool]] = []
+    nbytes = 0
+    for m in msgs:
+        if chunk and (len(chunk) == MAX_BATCH or nbytes >= BATCH_PAYLOAD_BYTES):
+            out.append(chunk)
+            chunk, nbytes = [], 0
+        chunk.append(m)
+        body = m[0]
+        if len(body) > 2:  # header-only messages are small (MAX_HEADER_BYTES at most)
+            nbytes += sum(memoryview(f).nbytes if not isinstance(f, bytes) else len(f) for f in body[2:])
+    out.append(chunk)
+    return out
+
+
 def _is_batch(type_frame: Any) -> bool:
     mv = memoryview(type_frame)
     return mv.nbytes == 1 and mv[0] == BATCH_TYPE[0]
@@ -281,17 +305,20 @@ class Channel:
             if self.closed:
                 return
             head = [dest] if self._routed else []
-            if len(msgs) == 1:
-                body, copy = msgs[0]
-            else:
-                body, copy = pack_batch([m for m, _ in msgs]), all(c for _, c in msgs)
-            try:
-                self._send_now(head + body, copy, check=False)
-            except PeerUnreachable:
-                if self._on_unreachable is not None:
-                    self._on_unreachable(dest)
-            except zmq.ZMQError as e:
-                log.warning("send to %r failed: %s", dest[:16], e)
+            for chunk in _batches(msgs):
+                if len(chunk) == 1:
+                    body, copy = chunk[0]
+                else:
+                    body, copy = pack_batch([m for m, _ in chunk]), all(c for _, c in chunk)
+                try:
+                    self._send_now(head + body, copy, check=False)
+                except PeerUnreachable:
+                    if self._on_unreachable is not None:
+                        self._on_unreachable(dest)
+                    break
+                except zmq.ZMQError as e:
+                    log.warning("send to %r failed: %s", dest[:16], e)
+                    break
         self._schedule_check()  # a send may have consumed the socket's read edge
 
     def _send_now(self, frames: list[Any], copy: bool, *, check: bool = True) -> None:

@@ -66,6 +66,38 @@ async def test_a_cancelled_request_is_forgotten_while_its_client_stays(tmp_path)
         assert s["counters"]["cancelled"] == 3
 
 
+async def test_a_burst_beyond_one_batch_is_answered_not_dropped(tmp_path):
+    """5,000 requests in one loop turn: the client used to send them as one BATCH message, over
+    the receiver's 4,096-message limit, which the broker dropped whole; each request then waited
+    for its deadline and ended as DeadlineExceededError instead of BusyError."""
+    spec = noop_spec(tmp_path, broker=BrokerConfig(max_queued_requests=20, busy_retry_after_s=0.25))
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=30) as c:
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            *(c.generate(f"burst {i}", max_tokens=1) for i in range(5000)), return_exceptions=True
+        )
+        kinds = {type(r).__name__ for r in results}
+        assert kinds <= {"GenerateResult", "BusyError"}, kinds
+        assert sum(isinstance(r, BusyError) for r in results) >= 4000
+        assert time.monotonic() - t0 < 20
+        s = await c.stats()
+        assert s["counters"]["protocol_errors"] == 0
+
+
+async def test_a_large_upload_is_not_taken_for_a_silent_broker(tmp_path):
+    """Pings queue behind the images this client sends; while they are still going through, the
+    broker is not silent. 80 MiB of images against a 0.02 s liveness used to fail every request with
+    "broker … silent" although the broker was busy receiving them."""
+    spec = noop_spec(tmp_path)
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, heartbeat_s=0.02, liveness=1, timeout=60) as c:
+        images = [demo_image(i, (64, 64)) + os.urandom(5 << 20) for i in range(4)]  # 5 MiB each
+        results = await asyncio.gather(
+            *(c.generate(f"upload {i}", images=images, max_tokens=1) for i in range(4)), return_exceptions=True
+        )
+        assert [type(r).__name__ for r in results] == ["GenerateResult"] * 4, results
+        assert c.reconnects == 0
+
+
 async def test_an_image_over_the_brokers_limit_is_a_typed_error(tmp_path):
     """Over the broker's --max-image-mb but within the client's own limit: a typed error at once
     (it used to exceed ZeroMQ's frame cap, drop the connection and leave the request to its deadline)."""
