@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from epdq.errors import EpdqError
+from epdq.errors import ConfigError, EpdqError, InvalidInputError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ."
@@ -249,7 +249,6 @@ def generate(
 ) -> None:
     """Send one request and print the answer."""
     from epdq.client import AsyncClient
-    from epdq.errors import EpdqError
 
     async def main() -> int:
         async with AsyncClient(address, timeout=timeout, keys_dir=keys_dir, insecure=insecure) as c:
@@ -279,7 +278,9 @@ def generate(
         raise typer.Exit(asyncio.run(main()))
     except EpdqError as e:
         typer.echo(f"error ({e.code}): {e.message}", err=True)
-        raise typer.Exit(3) from None
+        raise typer.Exit(exit_code(e)) from None
+    except ValueError as e:  # the client's own settings (--timeout)
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
@@ -443,12 +444,18 @@ def bench_scale(ctx: typer.Context) -> None:
     _bench("scale", ctx.args)
 
 
+def exit_code(e: EpdqError) -> int:
+    """2: the command or its input is wrong (fix it); 3: the cluster could not serve it (busy,
+    unreachable, past its deadline, a worker or engine failed: retrying may help)."""
+    return 2 if isinstance(e, (ConfigError, InvalidInputError)) else 3
+
+
 def main() -> None:
     try:
         app()
-    except EpdqError as e:  # configuration problems (keys, addresses) as one clear line
+    except EpdqError as e:  # configuration problems, an unreachable broker: one clear line
         typer.echo(f"error ({e.code}): {e.message}", err=True)
-        sys.exit(2)
+        sys.exit(exit_code(e))
 
 
 if __name__ == "__main__":

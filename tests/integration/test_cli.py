@@ -134,7 +134,7 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
             [*EPDQ, "generate", "x", "--image", str(tmp_path), "--address", addr], capture_output=True, text=True,
             timeout=60,
         )  # fmt: skip
-        assert bad.returncode == 3 and "invalid_input" in bad.stderr
+        assert bad.returncode == 2 and "invalid_input" in bad.stderr  # 2: fix the input
 
         # SIGTERM (as systemd or docker stop send; Ctrl-C takes the same path) while a long request
         # streams: the broker refuses new requests and waits for it, so it still completes in full

@@ -48,3 +48,24 @@ def test_version():
 
     res = CliRunner().invoke(app, ["--version"])
     assert res.exit_code == 0 and res.output.strip() == f"epdq {__version__} (wire protocol {PROTOCOL_VERSION})"
+
+
+@pytest.mark.parametrize(
+    "argv, code, said",
+    [
+        (["generate", "hi", "--broker", NOBODY, "--timeout", "0.3"], 3, "error (deadline)"),
+        (["stats", "--broker", NOBODY, "--timeout", "0.3"], 3, "error (broker_unavailable)"),
+        (["status", "--broker", NOBODY, "--once"], 3, "error (broker_unavailable)"),
+        (["generate", "hi", "--broker", "bogus"], 2, "error (config)"),
+        (["generate", "hi", "--broker", NOBODY, "--image", "/nonexistent.png"], 2, "error (invalid_input)"),
+        (["generate", "hi", "--timeout", "0"], 2, "timeout"),  # was a ValueError traceback
+        (["generate", "hi", "--timeout", "nan"], 2, "timeout"),
+    ],
+)
+def test_client_commands_exit_2_for_a_wrong_command_and_3_when_the_cluster_cannot_serve(argv, code, said):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True, text=True, timeout=25)
+    assert res.returncode == code, res.stderr
+    assert said in res.stderr and "Traceback" not in res.stderr, res.stderr
