@@ -55,6 +55,8 @@ class BrokerLink:
         self._max_bytes = max_message_bytes
         self._channel: Channel | None = None
         self._last_heard = 0.0
+        self._heard = False  # anything from the broker since the last (re)connect
+        self._register_sent = -1e9  # monotonic time of the last REGISTER
         self._task: asyncio.Task | None = None
         self.registered = asyncio.Event()
         self.closed = False
@@ -74,7 +76,12 @@ class BrokerLink:
         self._channel = Channel(sock, self._on_frames, copy=self._copy, coalesce=True)
         self._channel.start()
         self._last_heard = time.monotonic()
+        self._heard = False
         self.registered.clear()
+        self._send_register()
+
+    def _send_register(self) -> None:
+        self._register_sent = time.monotonic()
         self.send(self.register)
 
     def _on_frames(self, frames: list[Any]) -> None:
@@ -85,6 +92,7 @@ class BrokerLink:
             log.warning("ignored a malformed message from the broker: %s", e)
             return
         self._last_heard = time.monotonic()
+        self._heard = True
         if isinstance(msg, P.Registered):
             # NaN/inf/absurd intervals would kill or stall _beat (or make it spin/reconnect in a loop)
             if 0.01 <= msg.heartbeat_s <= 600.0:
@@ -106,9 +114,13 @@ class BrokerLink:
         elif isinstance(msg, P.Drain):
             self.drain_acked.set()
         elif isinstance(msg, P.Bye):
-            log.warning("broker said bye (%s); registering again", msg.reason)
-            self.registered.clear()
-            self.send(self.register)
+            # Heartbeats queued while the broker was down reach a new broker together, and each
+            # gets a BYE: one REGISTER answers them all (each further one would make the broker
+            # drop this worker, and what it had just sent it, and register it again).
+            if self.registered.is_set() or time.monotonic() - self._register_sent > self.heartbeat_s * self.liveness:
+                log.warning("broker said bye (%s); registering again", msg.reason)
+                self.registered.clear()
+                self._send_register()
         elif isinstance(msg, P.Heartbeat):
             pass
         else:
@@ -131,7 +143,8 @@ class BrokerLink:
                 self.reconnects += 1
                 self._connect()
                 continue
-            backoff = self.heartbeat_s
+            if self._heard:  # reset only by an answer: a reconnect alone must not (it doubles)
+                backoff = self.heartbeat_s
             self.send(self._make_heartbeat())
 
     def drain(self, reason: str) -> None:
