@@ -217,9 +217,13 @@ class Broker:
     async def _tick(self) -> None:
         hb = P.encode(P.Heartbeat())
         last_hb = 0.0
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(min(0.05, self.cfg.heartbeat_s / 4))
             now = time.monotonic()
+            if now - last_tick > self.cfg.heartbeat_s:
+                self._forgive_stall(now, now - last_tick)
+            last_tick = now
             self.scheduler.expire()
             if now - last_hb >= self.cfg.heartbeat_s:
                 last_hb = now
@@ -232,6 +236,16 @@ class Broker:
                     else:
                         self._send_raw(peer.identity, hb)  # a vanished worker is dropped on send
             self._flush()
+
+    def _forgive_stall(self, now: float, stalled_s: float) -> None:
+        """This process did not run for `stalled_s` (SIGSTOP, swapping, a debugger): what its peers
+        sent meanwhile is still unread, so their silence says nothing. Judge them from now on."""
+        log.warning("the broker did not run for %.1f s (paused or starved); peers are judged from now on",
+                    stalled_s, extra={"event": "broker_stalled", "seconds": round(stalled_s, 3)})  # fmt: skip
+        for peer in self.workers.values():
+            peer.last_seen = max(peer.last_seen, now)
+        for client in self._client_seen:
+            self._client_seen[client] = max(self._client_seen[client], now)
 
     def _expire_clients(self, now: float) -> None:
         gone = now - self.cfg.client_liveness_s
