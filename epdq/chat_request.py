@@ -131,6 +131,8 @@ def parse_request(raw: bytes) -> ChatCompletionRequest:
     bad = unsupported(req)
     if bad is not None:
         raise bad_request(f"{bad} is not supported by this server", "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true")  # as vLLM and OpenAI answer
     return req
 
 

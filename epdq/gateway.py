@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.errors import BrokerUnavailableError, EpdqError
@@ -204,6 +205,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _on_http_error(_request: Request, exc: HTTPError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_routing_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown path or method: the OpenAI error shape clients parse, not Starlette's {"detail"}
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return HTTPError(exc.status_code, str(exc.detail), "invalid_request_error", code, exc.headers).response()
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         try:
@@ -214,6 +221,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         roles: dict[str, int] = {}
         for w in s["workers"]:
             roles[w["role"]] = roles.get(w["role"], 0) + 1
+        if s["gauges"].get("broker_draining"):  # it refuses every request: take this gateway out of rotation
+            return JSONResponse(
+                {"status": "draining", "error": "the broker is shutting down", "workers": roles}, status_code=503
+            )
         return JSONResponse(
             {"status": "ok", "model": config.model_name, "workers": roles, "gauges": s["gauges"]}
         )
@@ -256,6 +267,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _chat(request: Request, rec: _Record):
         raw = await _read_body(request, config.max_body_bytes)
         req = parse_request(raw)
+        rec.stream = bool(req.stream)  # so a refused stream request is counted as one
         if req.model != config.model_name:
             raise HTTPError(404, f"model {req.model!r} not found", "invalid_request_error", "model_not_found")
         kw = sampling_kwargs(req, config)
@@ -267,7 +279,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = rec.request_id
         created = int(time.time())
         if req.stream:
-            rec.stream = True
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, client, messages, kw, rec, created, include_usage)
         try:
@@ -303,8 +314,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         rec.prompt_tokens = d.prompt_tokens
                     q.put_nowait(d)
                 q.put_nowait(_END)
+            except asyncio.CancelledError:
+                if rec.code == 200:  # the consumer went away mid-stream
+                    rec.code, rec.error = 499, "client disconnected"
+                raise
             except Exception as e:  # noqa: BLE001 - handed to the consumer
-                rec.error = str(e) or type(e).__name__
+                # the status line went out as 200; the record (metrics, log) says how it really ended
+                rec.code, rec.error = http_error(e).status, str(e) or type(e).__name__
                 q.put_nowait(e)
 
         task = asyncio.create_task(pump())
@@ -343,6 +359,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         break
                     if isinstance(item, BaseException):
                         yield f"data: {json.dumps(http_error(item).body())}\n\n"
+                        yield "data: [DONE]\n\n"  # as vLLM ends a stream after an error event
                         return
                     n += len(item.token_ids)
                     if item.text:

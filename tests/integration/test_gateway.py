@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
 import os
 import socket
 import time
@@ -17,7 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 import aiohttp  # noqa: E402
 
-from epdq import BrokerUnavailableError  # noqa: E402
+from epdq import AsyncClient, BrokerUnavailableError  # noqa: E402
 from epdq.broker import BrokerConfig  # noqa: E402
 from epdq.cluster import Cluster  # noqa: E402
 from epdq.demo import demo_image  # noqa: E402
@@ -263,6 +264,12 @@ async def test_chat_completions_with_openai_client(tmp_path):
             assert resp.status == 503
 
 
+async def gateway_metrics(http, base: str) -> dict[str, float]:
+    async with http.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    return {n: float(v) for n, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
+
+
 async def test_busy_is_429_and_disconnect_cancels(tmp_path):
     """Capacity 1, queue 1: a third request gets 429 with Retry-After; a client that goes away
     mid-stream cancels its request upstream."""
@@ -284,12 +291,26 @@ async def test_busy_is_429_and_disconnect_cancels(tmp_path):
             await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
 
             # a request that waits past its deadline -> 504
-            async with gateway(cluster.address, request_timeout_s=1.0) as base2:
+            async with gateway(cluster.address, request_timeout_s=1.0, stream_prime_s=0.2) as base2:
                 async with http.post(
                     f"{base2}/v1/chat/completions", json={"model": MODEL, "messages": msg, "max_tokens": 1}
                 ) as resp:
                     assert resp.status == 504, await resp.text()
                     assert (await resp.json())["error"]["code"] == "deadline"
+                # the same as a stream, whose 200 went out before the deadline: an error event,
+                # then [DONE] as vLLM ends it; counted as the 504 it was, not as a 200
+                async with http.post(
+                    f"{base2}/v1/chat/completions",
+                    json={"model": MODEL, "messages": msg, "max_tokens": 1, "stream": True},
+                ) as resp:
+                    assert resp.status == 200
+                    events = [e for e in (await resp.text()).split("\n\n") if e]
+                assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "deadline"
+                assert events[-1] == "data: [DONE]"
+                m = await gateway_metrics(http, base2)
+                assert m['epdq_gateway_requests_total{code="504",mode="unary"}'] == 1
+                assert m['epdq_gateway_requests_total{code="504",mode="stream"}'] == 1
+                assert 'epdq_gateway_requests_total{code="200",mode="stream"}' not in m
             await wait_stats(cluster.address, lambda s: s["gauges"]["requests_queued"] == 0)
 
             queued = asyncio.create_task(oa.chat.completions.create(model=MODEL, messages=msg, max_tokens=1))
@@ -311,6 +332,21 @@ async def test_busy_is_429_and_disconnect_cancels(tmp_path):
                 cluster.address,
                 lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0,
             )
+            # the stream whose client left is a 499 (it used to count as a 200); the refused one a 429
+            m = await gateway_metrics(http, base)
+            assert m['epdq_gateway_requests_total{code="499",mode="stream"}'] == 1
+            assert m['epdq_gateway_requests_total{code="429",mode="stream"}'] == 1
+            assert 'epdq_gateway_requests_total{code="200",mode="stream"}' not in m
+
+            # unknown paths and methods answer in OpenAI's error shape
+            for method, path, status in [("GET", "/v1/completions", 404), ("GET", "/v1/chat/completions", 405)]:
+                async with http.request(method, f"{base}{path}") as resp:
+                    assert resp.status == status
+                    assert (await resp.json())["error"]["type"] == "invalid_request_error"
+            # stream_options without stream: a 400, as vLLM and OpenAI answer
+            async with http.post(f"{base}/v1/chat/completions", json={
+                "model": MODEL, "messages": msg, "stream_options": {"include_usage": True}}) as resp:
+                assert resp.status == 400 and "stream_options" in (await resp.json())["error"]["message"]
         finally:
             await http.close()
             await oa.close()
@@ -407,3 +443,24 @@ async def test_remote_image_urls_reach_public_addresses_only(tmp_path):
                     )
             finally:
                 await oa.close()
+
+
+async def test_health_is_503_while_the_broker_drains(tmp_path):
+    """A draining broker refuses every request (429): the gateway's /health must take it out of a
+    load balancer's rotation then, as the broker's own /health does. It used to stay 200."""
+    import signal
+
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 30.0})
+    async with Cluster(spec) as cluster, gateway(cluster.address) as base, aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/health") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "ok"
+        async with AsyncClient(cluster.address) as c:
+            holding = asyncio.create_task(c.generate("hold the drain", max_tokens=2))
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+            cluster.child("broker").proc.send_signal(signal.SIGTERM)
+            await wait_stats(cluster.address, lambda s: s["gauges"]["broker_draining"] == 1)
+            async with http.get(f"{base}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 503 and body["status"] == "draining", body
+            holding.cancel()
+            await asyncio.gather(holding, return_exceptions=True)
