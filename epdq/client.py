@@ -22,12 +22,14 @@ import zmq
 from epdq import protocol as P
 from epdq.errors import (
     BrokerUnavailableError,
+    ConfigError,
     DeadlineExceededError,
     EpdqError,
     InvalidInputError,
     ProtocolError,
     error_from_code,
 )
+from epdq.handshake import HandshakeWatch, watch_if_curve
 from epdq.keys import security_for
 from epdq.media import decode_data_url, load_image_bytes
 from epdq.security import SecurityConfig
@@ -106,6 +108,7 @@ class AsyncClient:
         self._last_heard = 0.0
         self._upload_until = 0.0  # monotonic time by which the images sent so far should be through
         self._broker_id: str | None = None
+        self._handshakes: HandshakeWatch | None = None
         self._pinger: asyncio.Task | None = None
         self.reconnects = 0
         self._rid_prefix = uuid.uuid4().hex[:16] + "-"  # unique per client; a counter after it
@@ -136,11 +139,32 @@ class AsyncClient:
                 pass
 
     def _open(self) -> None:
-        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security)
+        def watch(s: zmq.Socket) -> None:
+            self._handshakes = watch_if_curve(s, "client", self._on_refused)
+
+        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security, before_connect=watch)
         # token messages are small: receive bytes; batch what we send per loop turn
         self._channel = Channel(sock, self._on_frames, copy=True, coalesce=True)
         self._channel.start()
         self._last_heard = time.monotonic()
+
+    def _close_channel(self) -> None:
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            ch.close()
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
+
+    def _on_refused(self, problem: str) -> None:
+        """The broker refused our key; ZeroMQ will not retry. Everything in flight fails now."""
+        self._fail_all(ConfigError(problem))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(ConfigError(problem))
+
+    def _handshake_problem(self) -> str:
+        return f" ({self._handshakes.problem})" if self._handshakes is not None and self._handshakes.problem else ""
 
     async def _watch_broker(self) -> None:
         """While requests are in flight, ping; a silent or restarted broker fails them (typed)."""
@@ -154,9 +178,11 @@ class AsyncClient:
                 continue
             silent = time.monotonic() - max(self._last_heard, self._upload_until)
             if silent > self.heartbeat_s * self.liveness:
-                self._fail_all(BrokerUnavailableError(f"broker {self.address} silent for {silent:.1f}s"))
+                self._fail_all(BrokerUnavailableError(
+                    f"broker {self.address} silent for {silent:.1f}s{self._handshake_problem()}"
+                ))  # fmt: skip
                 # a fresh socket (new identity) for later requests; ZeroMQ reconnects by itself
-                ch.close()
+                self._close_channel()
                 self.reconnects += 1
                 self._open()
                 continue
@@ -167,7 +193,7 @@ class AsyncClient:
             q.put_nowait(type(err)(err.message, request_id=rid))
 
     async def close(self) -> None:
-        ch, self._channel = self._channel, None
+        ch = self._channel
         if self._pinger is not None:
             self._pinger.cancel()
             self._pinger = None
@@ -182,7 +208,7 @@ class AsyncClient:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(BrokerUnavailableError("client closed"))
-        ch.close()
+        self._close_channel()
 
     def _on_frames(self, frames: list[Any]) -> None:
         try:
@@ -279,7 +305,9 @@ class AsyncClient:
             async with asyncio.timeout(timeout):
                 s: P.Stats = await fut
         except TimeoutError:
-            raise BrokerUnavailableError(f"no answer from {self.address} within {timeout}s") from None
+            raise BrokerUnavailableError(
+                f"no answer from {self.address} within {timeout}s{self._handshake_problem()}"
+            ) from None
         finally:
             self._stats_waiters.pop(nonce, None)
         workers = [{f: getattr(w, f) for f in w.__struct_fields__} for w in s.workers]
@@ -290,6 +318,12 @@ class AsyncClient:
     def _require_channel(self) -> Channel:
         if self._channel is None:
             raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
+        if self._handshakes is not None and self._handshakes.refused:
+            # ZeroMQ gave up on this connection: try afresh (the allow-list may have been fixed);
+            # if the key is still refused, the request fails at once with the reason
+            self._close_channel()
+            self.reconnects += 1
+            self._open()
         return self._channel
 
     def _prepare(

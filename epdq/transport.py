@@ -83,9 +83,11 @@ def make_socket(
     max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
     security: SecurityConfig | None = None,
     server_public: bytes | None = None,
+    before_connect: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
     """`security` None is for links that never leave the process or this user's ipc directory;
-    every other caller passes one, and a tcp endpoint then gets CURVE or a clear refusal."""
+    every other caller passes one, and a tcp endpoint then gets CURVE or a clear refusal.
+    `before_connect(sock)` runs once the socket is set up, before it connects (a monitor)."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -119,6 +121,8 @@ def make_socket(
             if bind.startswith("ipc://") and not bind.startswith("ipc://@"):  # @ = abstract namespace
                 os.chmod(bind[len("ipc://") :], 0o600)
         if connect is not None:
+            if before_connect is not None:
+                before_connect(sock)
             sock.connect(connect)
     except BaseException:
         sock.close(linger=0)

@@ -17,6 +17,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.errors import ProtocolError
+from epdq.handshake import HandshakeWatch, watch_if_curve
 from epdq.security import SecurityConfig
 from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, make_socket
 
@@ -54,6 +55,7 @@ class BrokerLink:
         self._ctx = ctx or zmq.Context.instance()
         self._max_bytes = max_message_bytes
         self._channel: Channel | None = None
+        self._handshakes: HandshakeWatch | None = None
         self._last_heard = 0.0
         self._heard = False  # anything from the broker since the last (re)connect
         self._register_sent = -1e9  # monotonic time of the last REGISTER
@@ -69,9 +71,12 @@ class BrokerLink:
         self._task = asyncio.create_task(self._beat())
 
     def _connect(self) -> None:
+        def watch(s: zmq.Socket) -> None:
+            self._handshakes = watch_if_curve(s, "worker")  # it logs a refused key or a wrong broker key
+
         sock = make_socket(
             self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
-            max_message_bytes=self._max_bytes, security=self._security,
+            max_message_bytes=self._max_bytes, security=self._security, before_connect=watch,
         )  # fmt: skip
         self._channel = Channel(sock, self._on_frames, copy=self._copy, coalesce=True)
         self._channel.start()
@@ -135,9 +140,10 @@ class BrokerLink:
         while not self.closed:
             await asyncio.sleep(self.heartbeat_s)
             if time.monotonic() - self._last_heard > self.heartbeat_s * self.liveness:
-                log.warning("broker silent for %.1fs; reconnecting", time.monotonic() - self._last_heard)
-                if self._channel is not None:
-                    self._channel.close()
+                why = self._handshakes.problem if self._handshakes is not None else ""
+                log.warning("broker silent for %.1fs%s; reconnecting", time.monotonic() - self._last_heard,
+                            f" ({why})" if why else "")  # fmt: skip
+                self._close_channel()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 32.0)
                 self.reconnects += 1
@@ -146,6 +152,13 @@ class BrokerLink:
             if self._heard:  # reset only by an answer: a reconnect alone must not (it doubles)
                 backoff = self.heartbeat_s
             self.send(self._make_heartbeat())
+
+    def _close_channel(self, linger_ms: int = 0) -> None:
+        if self._channel is not None:
+            self._channel.close(linger_ms=linger_ms)
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
 
     def drain(self, reason: str) -> None:
         """Ask the broker to send nothing new. Its answer (`drain_acked`) comes after everything
@@ -157,6 +170,8 @@ class BrokerLink:
     def send(self, msg: Any, payload: list[Any] = (), *, copy: bool = True) -> None:
         if self._channel is None or self._channel.closed:
             return
+        if self._handshakes is not None and self._handshakes.refused:
+            return  # ZeroMQ gave this connection up: nothing would leave (the next reconnect retries)
         self._channel.send(P.encode(msg) + list(payload), copy=copy)
 
     def close(self, reason: str = "shutdown") -> None:
@@ -170,4 +185,4 @@ class BrokerLink:
                 self.send(P.Bye(reason))
             except zmq.ZMQError:
                 pass
-            self._channel.close(linger_ms=200)
+            self._close_channel(linger_ms=200)

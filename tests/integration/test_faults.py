@@ -245,7 +245,7 @@ async def test_soak_ring_returns_to_baseline_and_nothing_leaks(tmp_path):
 
 
 async def test_tcp_peer_without_an_allowed_key_is_refused(tmp_path, unused_tcp_port):
-    from epdq import DeadlineExceededError, EpdqError
+    from epdq import ConfigError, EpdqError
     from epdq.keys import ensure_cluster_keys
 
     keys = ensure_cluster_keys(tmp_path / "keys")
@@ -256,9 +256,21 @@ async def test_tcp_peer_without_an_allowed_key_is_refused(tmp_path, unused_tcp_p
         stranger = ensure_cluster_keys(tmp_path / "stranger")  # same layout, keys nobody allowed
         (stranger / "broker.key").write_bytes((keys / "broker.key").read_bytes())  # knows the server key
         async with AsyncClient(cluster.address, keys_dir=str(stranger), liveness=2, heartbeat_s=0.2) as c:
+            # said at once and as what it is (it used to look like a dead broker, after 1.5 s)
+            t0 = time.monotonic()
+            for _ in range(2):  # the second try reconnects afresh, and is refused again
+                with pytest.raises(ConfigError, match="refused this client's CURVE key.*allow directory"):
+                    await c.generate("let me in", max_tokens=2, timeout=1.5)
+            with pytest.raises(ConfigError, match="refused this client's CURVE key"):
+                await c.stats(timeout=1.5)
+            assert time.monotonic() - t0 < 1.5
+        impostor = ensure_cluster_keys(tmp_path / "impostor")  # holds some other broker's public key
+        async with AsyncClient(cluster.address, keys_dir=str(impostor), liveness=2, heartbeat_s=0.2) as c:
             with pytest.raises(EpdqError) as ei:
-                await c.generate("let me in", max_tokens=2, timeout=1.5)
-            assert isinstance(ei.value, (DeadlineExceededError, BrokerUnavailableError))
+                await c.generate("who are you", max_tokens=2, timeout=5)
+            assert isinstance(ei.value, BrokerUnavailableError) and "broker's public key" in ei.value.message, ei.value
+            with pytest.raises(BrokerUnavailableError, match="CURVE handshake with the broker failed"):
+                await c.stats(timeout=0.5)
         with pytest.raises(InvalidInputError, match="insecure"):  # plaintext tcp only when asked for
             await AsyncClient(cluster.address, security=SecurityConfig()).connect()
         with pytest.raises(InvalidInputError, match="keygen"):
