@@ -350,6 +350,9 @@ def serve_http(
     ),
     max_body_mb: float = typer.Option(32.0),
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    default_max_tokens: int = typer.Option(
+        0, help="max_tokens of a request that names none; 0: as many as fit in the context (as vLLM)."
+    ),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -361,7 +364,8 @@ def serve_http(
         cfg = GatewayConfig(
             broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
             allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20),
-            request_timeout_s=timeout, keys_dir=keys_dir, insecure=insecure, log_format=log_format,
+            request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
+            log_format=log_format,
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

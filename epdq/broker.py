@@ -36,7 +36,7 @@ from epdq.transport import (
 
 log = logging.getLogger("epdq.broker")
 
-MAX_TOKENS_LIMIT = 32768
+MAX_TOKENS_LIMIT = P.MAX_TOKENS_LIMIT
 _ZERO_COPY_BYTES = 64 * 1024  # smaller payloads are copied by ZeroMQ anyway
 
 

@@ -26,6 +26,7 @@ from epdq.errors import (
     InvalidInputError,
     WorkerLostError,
 )
+from epdq.protocol import MAX_TOKENS_LIMIT
 
 if TYPE_CHECKING:
     from epdq.gateway import GatewayConfig
@@ -348,7 +349,7 @@ async def to_epdq_messages(req: ChatCompletionRequest, cfg: GatewayConfig) -> li
 
 
 def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str, Any]:
-    max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
+    max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens or MAX_TOKENS_LIMIT
     kw: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,

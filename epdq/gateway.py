@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.errors import BrokerUnavailableError, EpdqError
 from epdq.metrics import GatewayMetrics
+from epdq.protocol import MAX_TOKENS_LIMIT
 
 log = logging.getLogger("epdq.gateway")
 
@@ -47,7 +48,9 @@ class GatewayConfig:
     max_body_bytes: int = 32 * 2**20
     max_image_bytes: int = 20 * 2**20  # local files and remote downloads
     request_timeout_s: float = 120.0  # the deadline handed to the broker per request
-    default_max_tokens: int = 256
+    # max_tokens for a request that names none; 0: as many as fit in the model's context (the
+    # engine stops there), which is what vLLM's server does
+    default_max_tokens: int = 0
     stream_prime_s: float = 2.0  # how long a stream waits for a first answer to give a real status
     remote_timeout_s: float = 10.0
     keys_dir: str = ""
@@ -62,8 +65,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes and max_image_bytes must be > 0, request_timeout_s in (0, 86400]")
         if not (0 < self.remote_timeout_s <= 600 and 0 <= self.stream_prime_s <= 600):
             raise ValueError("remote_timeout_s must be in (0, 600] and stream_prime_s in [0, 600]")
-        if self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be >= 1")
+        if not 0 <= self.default_max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"default_max_tokens must be in [0, {MAX_TOKENS_LIMIT}] (0: as many as fit)")
         if not 0 < self.port < 65536:  # uvicorn would bind port % 65536 and print the number given
             raise ValueError(f"port must be 1..65535, not {self.port}")
         if self.allow_dir is not None and not os.path.isdir(self.allow_dir):

@@ -25,6 +25,7 @@ PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
+MAX_TOKENS_LIMIT = 32768  # a request's max_tokens; the broker refuses more
 MAX_PAYLOAD_FRAMES = 64
 
 

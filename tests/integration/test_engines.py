@@ -137,6 +137,17 @@ async def test_stream_chunks_and_abort(engines):
     assert (await collect(pd, prompt, SamplingSpec(max_tokens=4)))[2] == "length"
 
 
+async def test_max_tokens_beyond_the_context_stops_at_the_context(engines):
+    """What the gateway relies on for a request without max_tokens (it sends the protocol's limit,
+    as vLLM's server defaults to the rest of the context): the engine stops at the context's end."""
+    pd, _ = engines
+    prompt = pd.render_prompt(chat(0, "kite " * 450))
+    tokens, _, reason, n_prompt = await collect(
+        pd, prompt, SamplingSpec(max_tokens=32768, ignore_eos=True, stop=()), usage=True
+    )
+    assert reason == "length" and n_prompt + len(tokens) == 1024, (n_prompt, len(tokens))
+
+
 def test_render_prompt_one_placeholder_per_image(engines):
     pd, _ = engines
     messages = [

@@ -44,3 +44,23 @@ def test_the_placeholder_in_user_text_is_refused_by_name(messages):
 def test_too_many_images():
     with pytest.raises(InvalidInputError, match="exceed max_images_per_prompt"):
         render_chat_prompt(Template(), image_message("a") * 3, 2)
+
+
+def test_max_tokens_when_the_request_names_none():
+    pytest.importorskip("fastapi")
+    import json
+
+    from epdq.chat_request import parse_request, sampling_kwargs
+    from epdq.gateway import GatewayConfig
+    from epdq.protocol import MAX_TOKENS_LIMIT
+
+    def max_tokens(body: dict, **cfg) -> int:
+        req = parse_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}).encode())
+        return sampling_kwargs(req, GatewayConfig("ipc:///x", **cfg))["max_tokens"]
+
+    assert max_tokens({}) == MAX_TOKENS_LIMIT  # as vLLM: the engine stops at the end of the context
+    assert max_tokens({}, default_max_tokens=100) == 100
+    assert max_tokens({"max_tokens": 7}, default_max_tokens=100) == 7
+    assert max_tokens({"max_tokens": 7, "max_completion_tokens": 9}) == 9
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        GatewayConfig("ipc:///x", default_max_tokens=MAX_TOKENS_LIMIT + 1)
