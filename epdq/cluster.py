@@ -75,6 +75,10 @@ class ClusterSpec:
             raise ValueError("log_format must be text or json")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError("drain_timeout_s must be in [0, 3600]")
+        if self.model:  # each worker checks it too, but only after the broker and the others started
+            from epdq.worker.runner import resolve_model
+
+            resolve_model(self.model)
 
 
 @dataclass(slots=True)

@@ -244,6 +244,9 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             (["worker", "--role", "encoder", "--model", str(tmp_path / "no-processor")], "has no preprocessor_config.json"),
             (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
               "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
+            # before anything starts (it used to start the broker, then report a worker's exit code)
+            (["up", "--address", f"ipc://{tmp_path}/sock/up.sock", "--log-dir", str(tmp_path / "logs"),
+              "--model", str(tmp_path / "llama")], "error (config): "),  # fmt: skip
         ]
         for argv, message in cases:
             r = subprocess.run([*EPDQ, *argv], capture_output=True, text=True, timeout=120)
@@ -251,6 +254,8 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             assert "Traceback" not in r.stderr and "│" not in r.stderr, argv
             if argv[0] == "up":
                 assert "registered workers" not in r.stdout and "epdq is up" not in r.stdout
+            if "--model" in argv:  # refused by the argument checks: nothing was started or stopped
+                assert "stopping" not in r.stdout + r.stderr and "exited with code" not in r.stderr
         assert precious.read_text() == "mine"
         # a stale socket file is no obstacle
         broker = subprocess.Popen([*EPDQ, "broker", "--address", f"ipc://{stale}"], stderr=subprocess.PIPE, text=True)
