@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -103,8 +104,21 @@ def broker(
             drain_timeout_s=drain_timeout,
         )  # fmt: skip
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(_flag_names(str(e))) from None
     _run(serve_broker(cfg))
+
+
+# config fields as the flags that set them, for the configs' error messages
+_FLAGS = {
+    "max_queued_requests": "--max-queued", "max_images_per_request": "--max-images", "default_timeout_s": "--timeout",
+    "heartbeat_s": "--heartbeat", "liveness": "--liveness", "client_liveness_s": "--client-liveness",
+    "encode_lease_s": "--encode-lease", "drain_timeout_s": "--drain-timeout", "metrics_address": "--metrics",
+    "max_image_bytes": "--max-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
+}  # fmt: skip
+
+
+def _flag_names(message: str) -> str:
+    return re.sub(r"\b[a-z_]+\b", lambda m: _FLAGS.get(m.group(0), m.group(0)), message)
 
 
 @app.command()
@@ -150,7 +164,7 @@ def worker(
             heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure, drain_timeout_s=drain_timeout,
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(_flag_names(str(e))) from None
     _run(serve_worker(cfg))
 
 
@@ -195,7 +209,7 @@ def up(
         cluster = Cluster(spec)
         cluster.worker_configs()  # every setting checked before anything starts
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(_flag_names(str(e))) from None
 
     async def main() -> None:
         # SIGTERM (systemd, docker stop) stops like Ctrl-C: the broker drains first (Cluster.stop)

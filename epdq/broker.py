@@ -72,8 +72,10 @@ class BrokerConfig:
             raise ValueError(problem)
         if not 1 <= self.max_images_per_request <= 64:
             raise ValueError("max_images_per_request must be in [1, 64]")
-        if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:
-            raise ValueError("max_queued_requests and max_held_image_bytes must be >= 1")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_held_image_bytes < 1:
+            raise ValueError(f"max_held_image_bytes must be >= 1, got {self.max_held_image_bytes}")
         if not 1024 <= self.max_image_bytes <= MAX_MESSAGE_BYTES_DEFAULT - 2**20:
             # the broker forwards images to workers, whose links take frames up to that size
             raise ValueError(f"max_image_bytes must be in [1024, {MAX_MESSAGE_BYTES_DEFAULT - 2**20}] "
@@ -82,11 +84,15 @@ class BrokerConfig:
         if not 0 < self.max_timeout_s <= 86400:
             raise ValueError("max_timeout_s must be in (0, 86400]")
         if not 0 < self.default_timeout_s <= self.max_timeout_s:
-            raise ValueError("default_timeout_s must be in (0, max_timeout_s]")
-        if not 0.01 <= self.heartbeat_s <= 600 or self.liveness < 1:
-            raise ValueError("heartbeat_s must be in [0.01, 600] and liveness >= 1")
-        if not (0 < self.client_liveness_s <= 86400 and 0 < self.encode_lease_s <= 86400):
-            raise ValueError("client_liveness_s and encode_lease_s must be in (0, 86400]")
+            raise ValueError(f"default_timeout_s must be in (0, {self.max_timeout_s:g}] s, got {self.default_timeout_s}")
+        if not 0.01 <= self.heartbeat_s <= 600:
+            raise ValueError(f"heartbeat_s must be in [0.01, 600] s, got {self.heartbeat_s}")
+        if self.liveness < 1:
+            raise ValueError(f"liveness must be >= 1 (missed heartbeats), got {self.liveness}")
+        if not 0 < self.client_liveness_s <= 86400:
+            raise ValueError(f"client_liveness_s must be in (0, 86400] s, got {self.client_liveness_s}")
+        if not 0 < self.encode_lease_s <= 86400:
+            raise ValueError(f"encode_lease_s must be in (0, 86400] s, got {self.encode_lease_s}")
         if not 0 <= self.busy_retry_after_s <= 3600:
             raise ValueError("busy_retry_after_s must be in [0, 3600]")
         if not 0 <= self.drain_timeout_s <= 3600:

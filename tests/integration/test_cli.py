@@ -283,20 +283,20 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--max-queued", "0"], "max_queued_requests and max_held_image_bytes must be >= 1"),
-        (["--heartbeat", "0"], "heartbeat_s must be in"),
-        (["--max-image-mb", "100"], "max_image_bytes must be in"),
+        (["--max-queued", "0"], "--max-queued must be >= 1, got 0"),  # the flag, not the config field
+        (["--heartbeat", "0"], "--heartbeat must be in"),
+        (["--max-image-mb", "100"], "--max-image-mb (in bytes) must be in"),
         (["--address", "nowhere"], "address must look like"),
-        (["--timeout", "nan"], "default_timeout_s must be in (0, max_timeout_s]"),
+        (["--timeout", "nan"], "--timeout must be in (0, 3600] s, got nan"),
         (["--log-format", "xml"], "log format must be text or json"),
         (["worker", "--role", "pd", "--log-format", "xml"], "log format must be text or json"),
         (["worker", "--role", "pd", "--node", "n" * 200], "node must be at most 128 characters"),
         (["--address", "tcp://127.0.0.1:70000", "--insecure"], "a port in 0..65535"),
-        (["--metrics", "localhost"], "metrics_address must be HOST:PORT"),
+        (["--metrics", "localhost"], "--metrics must be HOST:PORT"),
         (["worker", "--role", "pd", "--broker", "tcp://127.0.0.1:70000"], "a port in 0..65535"),
-        (["--drain-timeout", "-1"], "drain_timeout_s must be in [0, 3600]"),
-        (["worker", "--role", "pd", "--drain-timeout", "7200"], "drain_timeout_s must be in [0, 3600]"),
-        (["up", "--drain-timeout", "-5"], "drain_timeout_s must be in [0, 3600]"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be in [0, 3600]"),
+        (["worker", "--role", "pd", "--drain-timeout", "7200"], "--drain-timeout must be in [0, 3600]"),
+        (["up", "--drain-timeout", "-5"], "--drain-timeout must be in [0, 3600]"),
     ],
 )
 def test_bad_broker_worker_and_up_settings_are_usage_errors(argv, message, tmp_path):
