@@ -72,6 +72,9 @@ def broker(
     max_queued: int = typer.Option(1024, help="Requests waiting or ready before new ones get 'busy'."),
     max_images: int = typer.Option(8, help="Images allowed per request."),
     max_image_mb: float = typer.Option(20.0, help="Largest image file accepted, MiB."),
+    max_held_image_mb: float = typer.Option(
+        1024.0, help="Image bytes the broker holds for live requests, MiB; beyond it new requests get 'busy'."
+    ),
     timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
     heartbeat: float = typer.Option(1.0, help="Heartbeat interval to workers, seconds."),
     liveness: int = typer.Option(5, help="Missed heartbeats before a worker is declared dead."),
@@ -98,7 +101,8 @@ def broker(
     try:
         cfg = BrokerConfig(
             address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
-            max_image_bytes=int(max_image_mb * 2**20), default_timeout_s=timeout, heartbeat_s=heartbeat,
+            max_image_bytes=int(max_image_mb * 2**20), max_held_image_bytes=int(max_held_image_mb * 2**20),
+            default_timeout_s=timeout, heartbeat_s=heartbeat,
             liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
             metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
             drain_timeout_s=drain_timeout,
@@ -113,7 +117,7 @@ _FLAGS = {
     "max_queued_requests": "--max-queued", "max_images_per_request": "--max-images", "default_timeout_s": "--timeout",
     "heartbeat_s": "--heartbeat", "liveness": "--liveness", "client_liveness_s": "--client-liveness",
     "encode_lease_s": "--encode-lease", "drain_timeout_s": "--drain-timeout", "metrics_address": "--metrics",
-    "max_image_bytes": "--max-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
+    "max_image_bytes": "--max-image-mb (in bytes)", "max_held_image_bytes": "--max-held-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
 }  # fmt: skip
 
 

@@ -285,6 +285,7 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
     [
         (["--max-queued", "0"], "--max-queued must be >= 1, got 0"),  # the flag, not the config field
         (["--heartbeat", "0"], "--heartbeat must be in"),
+        (["--max-held-image-mb", "0"], "--max-held-image-mb (in bytes) must be >= 1, got 0"),
         (["--max-image-mb", "100"], "--max-image-mb (in bytes) must be in"),
         (["--address", "nowhere"], "address must look like"),
         (["--timeout", "nan"], "--timeout must be in (0, 3600] s, got nan"),
