@@ -162,13 +162,21 @@ class PDWorker:
                 return  # duplicate delivery; the running task answers
             task = asyncio.create_task(self._run(msg, payload))
             self._tasks[msg.request_id] = task
-            task.add_done_callback(lambda _t, rid=msg.request_id: self._tasks.pop(rid, None))
+            task.add_done_callback(lambda t, rid=msg.request_id: self._task_done(rid, t))
         elif isinstance(msg, P.Abort):
             task = self._tasks.get(msg.request_id)
             if task is not None:
                 task.cancel()
         else:
             log.debug("pd worker ignores %s", type(msg).__name__)
+
+    def _task_done(self, rid: str, task: asyncio.Task) -> None:
+        self._tasks.pop(rid, None)
+        if task.cancelled():
+            # Cancelled before its first step (a PREFILL and its ABORT in one batch), or again
+            # while it was aborting: _run never said so, and the broker holds this worker's slot
+            # until it hears (it used to leak the slot for good).
+            self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
 
     async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
         rid = msg.request_id

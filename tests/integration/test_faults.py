@@ -98,6 +98,31 @@ async def test_a_large_upload_is_not_taken_for_a_silent_broker(tmp_path):
         assert c.reconnects == 0
 
 
+async def test_cancels_racing_their_dispatch_leave_no_pd_slot_taken(tmp_path):
+    """A PREFILL and its ABORT in one batch: the PD worker cancelled a task that had not started,
+    so it never answered the abort, and the broker kept that slot for good. After 16 of those a
+    PD worker took nothing more and every request waited for its deadline."""
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.001})
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+
+        async def one(i: int) -> None:
+            async for _ in c.stream(f"p{i}", max_tokens=50):
+                pass
+
+        for rnd in range(12):
+            tasks = [asyncio.create_task(one(i)) for i in range(40)]
+            await asyncio.sleep(0)
+            await asyncio.sleep(0.002 * (rnd % 5))
+            for t in tasks[::2]:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0)
+        (pd,) = [w for w in s["workers"] if w["role"] == "pd"]
+        assert pd["inflight"] == 0, pd
+        ok = await c.generate("after", max_tokens=2, timeout=10)
+        assert len(ok.token_ids) == 2
+
+
 async def test_an_image_over_the_brokers_limit_is_a_typed_error(tmp_path):
     """Over the broker's --max-image-mb but within the client's own limit: a typed error at once
     (it used to exceed ZeroMQ's frame cap, drop the connection and leave the request to its deadline)."""
