@@ -139,7 +139,8 @@ def worker(
         "auto", help="Encoder ring: auto (cuda on a GPU, else shm), shm (shared memory) or cuda (device memory)."
     ),
     fetch_bind: str = typer.Option(
-        "tcp://127.0.0.1:*", help="Encoder: where PD workers on other nodes fetch bytes."
+        "", help="Encoder: where PD workers on other nodes fetch bytes (default: tcp on loopback with CURVE "
+        "keys at hand, else a private ipc socket)."
     ),
     fetch_advertise: str = typer.Option(
         "", help="Encoder: HOST or tcp://HOST:PORT told to PD workers (default: the bound address; for a "

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from epdq.demo import demo_image
+from tests.integration.helpers import wait_stats
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -329,3 +330,21 @@ def test_up_with_an_unusable_log_or_keys_directory_or_http_port_says_so_in_one_l
             assert "Traceback" not in r.stderr and "stopping" not in r.stdout  # nothing had started
     finally:
         busy.close()
+
+
+async def test_an_encoder_of_an_ipc_cluster_needs_no_keys(tmp_path):
+    """With an ipc:// broker and no CURVE keys anywhere, `epdq worker --role encoder` used to stop
+    at start-up: its default --fetch-bind was tcp, which needs keys."""
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    addr = f"ipc://{tmp_path}/sock/b.sock"
+    procs = [subprocess.Popen([*EPDQ, "broker", "--address", addr], env=env, stderr=subprocess.PIPE, text=True)]
+    try:
+        procs.append(subprocess.Popen([*EPDQ, "worker", "--role", "encoder", "--engine", "noop", "--broker", addr],
+                                      env=env, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        await wait_stats(addr, lambda s: s["gauges"]["workers_encoder"] == 1, timeout=60)
+        assert not (tmp_path / "home" / "keys").exists()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+            p.stderr.close()
