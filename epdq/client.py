@@ -31,9 +31,9 @@ from epdq.errors import (
 )
 from epdq.handshake import HandshakeWatch, watch_if_curve
 from epdq.keys import security_for
-from epdq.media import decode_data_url, load_image_bytes
+from epdq.media import decode_data_url, is_pil_image, load_image_bytes
 from epdq.security import SecurityConfig
-from epdq.transport import Channel, make_socket
+from epdq.transport import Channel, endpoint_problem, make_socket
 
 log = logging.getLogger("epdq.client")
 
@@ -42,7 +42,9 @@ _GRACE_S = 2.0
 # A broker counts as silent only once the images sent to it could have arrived at this rate (a
 # slow CURVE link): a large upload queues this client's pings behind it for as long as it takes.
 _SLOWEST_LINK_BPS = 20e6
-_ZERO_COPY_BYTES = 64 * 1024  # below this, ZeroMQ copies anyway and Frame objects only cost
+_ZERO_COPY_BYTES = 64 * 1024
+MAX_TIMEOUT_S = 3600.0  # the broker refuses longer deadlines
+ROUTES = ("auto", "epd", "colocated")  # below this, ZeroMQ copies anyway and Frame objects only cost
 
 
 @dataclass(slots=True)
@@ -94,8 +96,15 @@ class AsyncClient:
         """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
         made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
         loopback only. ipc:// needs neither."""
-        if not (_is_number(timeout) and timeout > 0 and _is_number(heartbeat_s) and heartbeat_s > 0) or liveness < 1:
-            raise ValueError("timeout and heartbeat_s must be finite numbers > 0, liveness >= 1")
+        if not (_is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {timeout!r:.40}")
+        if not (_is_number(heartbeat_s) and heartbeat_s > 0):
+            raise ValueError(f"heartbeat_s must be a number of seconds > 0, not {heartbeat_s!r:.40}")
+        if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness < 1:
+            raise ValueError(f"liveness must be an integer >= 1 (missed heartbeats), not {liveness!r:.40}")
+        problem = endpoint_problem(address) if isinstance(address, str) else f"address must be a string, not {address!r:.40}"
+        if problem:  # said now, not at the first request
+            raise ConfigError(problem)
         self.address = address
         self.timeout = timeout
         self._ctx = ctx or zmq.Context.instance()
@@ -356,12 +365,17 @@ class AsyncClient:
             timeout = self.timeout
         elif not _is_number(timeout):
             raise InvalidInputError("timeout must be a number of seconds")
-        if not timeout > 0:
-            raise InvalidInputError("timeout must be > 0")
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
+        if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
+            raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
         sampling = _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos)
         rid = f"{self._rid_prefix}{next(self._rids):x}"
         sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
-        head = P.encode(sub)
+        try:
+            head = P.encode(sub)
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") in some text
+            raise InvalidInputError(f"text is not valid Unicode: {e.reason} at position {e.start}") from None
         if len(head[1]) > P.MAX_HEADER_BYTES:  # the broker would drop it as malformed
             raise InvalidInputError(
                 f"the request's text is {len(head[1])} bytes encoded; at most {P.MAX_HEADER_BYTES} go in one request"
@@ -498,8 +512,12 @@ def build_messages(
         raise InvalidInputError("a prompt or messages are required")
     if not isinstance(prompt, str):
         raise InvalidInputError("prompt must be a string")
-    if isinstance(images, (str, bytes, os.PathLike)):
-        images = [images]
+    if images is None:
+        images = ()
+    elif isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike)) or is_pil_image(images):
+        images = [images]  # one image given bare
+    elif isinstance(images, (dict, set)) or not isinstance(images, Iterable):
+        raise InvalidInputError(f"images must be a list of images, not {type(images).__name__}")
     blobs = [load_image_bytes(im) for im in images]
     parts = [P.Part("image") for _ in blobs] + [P.Part("text", prompt)]
     return [P.ChatMessage("user", parts)], blobs
@@ -512,6 +530,8 @@ def _is_number(v: Any) -> bool:
 def _sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: Any, ignore_eos: Any) -> P.Sampling:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise InvalidInputError(f"max_tokens must be an integer, not {max_tokens!r:.40}")
+    if not 1 <= max_tokens <= P.MAX_TOKENS_LIMIT:  # (beyond 2**64 it could not even be encoded)
+        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], got {max_tokens!r:.40}")
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if not _is_number(v):
             raise InvalidInputError(f"{name} must be a finite number, not {v!r:.40}")

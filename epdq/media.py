@@ -77,7 +77,7 @@ def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_DEFAULT) ->
         )
     elif isinstance(image, (str, os.PathLike)):
         data = _read_file(image, max_bytes)
-    elif _is_pil_image(image):
+    elif is_pil_image(image):
         data = _to_png(image)
     else:
         raise InvalidInputError(f"an image must be a path, bytes or a PIL image, not {type(image).__name__}")
@@ -169,7 +169,7 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     return data
 
 
-def _is_pil_image(obj: Any) -> bool:
+def is_pil_image(obj: Any) -> bool:
     pil = sys.modules.get("PIL.Image")  # if PIL was never imported, obj can't be one of its images
     return pil is not None and isinstance(obj, pil.Image)
 

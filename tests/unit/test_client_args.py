@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from epdq import AsyncClient, InvalidInputError
+from epdq import AsyncClient, ConfigError, InvalidInputError
 from epdq import protocol as P
 
 
@@ -31,7 +31,17 @@ def client():
         (dict(ignore_eos=1), "ignore_eos must be"),
         (dict(timeout="soon"), "timeout must be a number"),
         (dict(timeout=math.inf), "timeout must be a number"),
-        (dict(timeout=0), "timeout must be > 0"),
+        (dict(timeout=0), r"timeout must be in \(0, 3600\]"),
+        (dict(timeout=7200), r"timeout must be in \(0, 3600\] s \(the broker's limit\)"),
+        # each of these used to be sent (dropped by the broker as malformed, or an OverflowError)
+        (dict(route=5), "route must be one of auto, epd, colocated"),
+        (dict(route=None), "route must be one of"),
+        (dict(route="bogus"), "route must be one of"),
+        (dict(max_tokens=2**70), r"max_tokens must be in \[1, 32768\]"),
+        (dict(max_tokens=0), r"max_tokens must be in \[1, 32768\]"),
+        (dict(images=5), "images must be a list of images, not int"),
+        (dict(images={"a": 1}), "images must be a list of images, not dict"),
+        (dict(prompt="a\ud800b"), "text is not valid Unicode"),
         (dict(messages=[{"role": "user", "content": 5}]), "content must be"),
         (dict(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "text must be a string"),
         (dict(messages=[{"role": 3, "content": "x"}]), "needs a role"),
@@ -42,9 +52,35 @@ def client():
     ],
 )
 def test_bad_arguments_are_refused_before_sending(client, kwargs, match):
-    prompt = None if "messages" in kwargs else "hi"
+    prompt = None if "messages" in kwargs else kwargs.pop("prompt", "hi")
     with pytest.raises(InvalidInputError, match=match):
         client._prepare(prompt, **kwargs)
+
+
+def test_one_image_may_be_given_bare(client):
+    from PIL import Image
+
+    from epdq.demo import demo_image
+
+    png = demo_image(1, (16, 16))
+    for one in (png, bytearray(png), Image.open(__import__("io").BytesIO(png)), None, ()):
+        _, frames, _, _ = client._prepare("hi", images=one)
+        assert len(frames) == 2 + (one not in (None, ())), type(one)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        ((None,), {}, ConfigError, "address must be a string"),
+        (("bogus",), {}, ConfigError, "address must look like"),
+        (("ipc:///x",), dict(liveness="5"), ValueError, "liveness must be an integer"),
+        (("ipc:///x",), dict(timeout=0), ValueError, r"timeout must be a number of seconds in \(0, 3600\]"),
+        (("ipc:///x",), dict(heartbeat_s=-1), ValueError, "heartbeat_s must be"),
+    ],
+)
+def test_bad_client_settings_are_refused_at_construction(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AsyncClient(*args, **kwargs)
 
 
 def test_good_arguments_make_a_decodable_submit(client):

@@ -26,8 +26,8 @@ NAN = math.nan
         (lambda: SchedulerConfig(encode_lease_s=NAN), "encode_lease_s"),
         (lambda: SchedulerConfig(max_timeout_s=NAN), "max timeout"),
         (lambda: WorkerConfig(role="pd", noop_token_s=NAN), "noop delays"),
-        (lambda: AsyncClient("ipc:///x/b.sock", timeout=NAN), "timeout and heartbeat_s"),
-        (lambda: AsyncClient("ipc:///x/b.sock", heartbeat_s=math.inf), "timeout and heartbeat_s"),
+        (lambda: AsyncClient("ipc:///x/b.sock", timeout=NAN), "timeout must be a number of seconds"),
+        (lambda: AsyncClient("ipc:///x/b.sock", heartbeat_s=math.inf), "heartbeat_s must be a number of seconds"),
     ],
 )
 def test_nan_is_refused(make, match):
