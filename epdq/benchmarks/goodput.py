@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                               tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
                               qps_grid=qps, topologies=topologies)  # fmt: skip
     window = 120.0 if a.window is None else a.window
-    if not a.quick:
+    if not a.quick or a.window is not None:  # --quick shortens the default window, not one given
         kw["window_s"] = window
     try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
         Workload(images, (w, h), a.text_tokens, output_tokens, a.repeat_fraction, a.hot_set, a.seed)

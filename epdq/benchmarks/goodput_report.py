@@ -22,7 +22,7 @@ def print_cost(res: dict[str, Any]) -> None:
     k = _images_label(res)
     print(f"\nCost model (simulated, real scheduler): encode {k} {u['encode_request_s'] * 1e3:.0f} ms, "
           f"prefill {u['prefill_request_s'] * 1e3:.0f} ms, unloaded TPOT {u['tpot_s'] * 1e3:.1f} ms; "
-          f"SLO P99 TTFT <= {slo['ttft_p99_s']:.2f} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
+          f"SLO P99 TTFT <= {slo['ttft_p99_s']:.3g} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
     labels = {
         "epd_4img": f"EPD {res['systems']['epd']}, {k}/req",
         "colocated_4img": f"{res['systems']['colocated']}, {k}/req",
@@ -40,8 +40,8 @@ def print_cost(res: dict[str, Any]) -> None:
     print(table(["system", "max QPS in SLO", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
                  "TPOT p99 ms"], rows, title="Goodput (at the highest offered load meeting both P99 SLOs)"))  # fmt: skip
     print(
-        f"EPD / colocated goodput, {k} per request: {res['epd_over_colocated_4img']:.2f}x; "
-        f"cache gain on the repeated-image workload: {res['cache_gain']:.2f}x"
+        f"EPD / colocated goodput, {k} per request: {_x(res['epd_over_colocated_4img'])}; "
+        f"cache gain on the repeated-image workload: {_x(res['cache_gain'])}"
     )
     for name in ("epd_4img", "colocated_4img"):
         rows = [[c["offered_qps"], c["goodput_rps"], c["ttft_p50"], c["ttft_p99"], c["tpot_p50"] * 1e3,
@@ -50,12 +50,12 @@ def print_cost(res: dict[str, Any]) -> None:
         print(table(["offered QPS", "goodput", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "engine busy",
                      "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
     rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], r["epd_goodput"], r["colocated_goodput"],
-             f"{r['ratio']:.2f}x"] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
+             _x(r['ratio'])] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
     print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
                 rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
     topo = res.get("topology") or []
     if len(topo) > 1:
-        rows = [[r["epd"], r["colocated"], r["epd_goodput"], r["colocated_goodput"], f"{r['ratio']:.2f}x",
+        rows = [[r["epd"], r["colocated"], r["epd_goodput"], r["colocated_goodput"], _x(r['ratio']),
                  _pct(r["encoder_util_at_goodput"]),
                  "-" if r["epd_tpot_p99_at_goodput"] is None else r["epd_tpot_p99_at_goodput"] * 1e3]
                 for r in topo]  # fmt: skip
@@ -65,7 +65,7 @@ def print_cost(res: dict[str, Any]) -> None:
         best = max(topo, key=lambda r: r["ratio"] if math.isfinite(r["ratio"]) else -1.0)
         print(f"(at EPD's goodput point: an encoder near 100 % busy limits EPD; a TPOT p99 near the SLO, "
               f"{res['slo']['tpot_p99_s'] * 1e3:.1f} ms, means its PD workers do)\n"
-              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {best['ratio']:.2f}x")  # fmt: skip
+              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {_x(best['ratio'])}")  # fmt: skip
 
 
 def _pct(v: float | None) -> str:
@@ -124,7 +124,7 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
         top.bar([i + 0.2 for i in x], [r["colocated_goodput"] for r in topo], 0.4, color="C1",
                 label="N+1 colocated")  # fmt: skip
         for i, r in zip(x, topo, strict=True):
-            top.annotate(f"{r['ratio']:.2f}x", (i, max(r["epd_goodput"], r["colocated_goodput"])),
+            top.annotate(_x(r['ratio']), (i, max(r["epd_goodput"], r["colocated_goodput"])),
                          ha="center", va="bottom", fontsize=9)  # fmt: skip
         top.set_xticks(list(x), [f"N={r['n_pd']}" for r in topo])
         top.set_ylim(0, 1.12 * max(max(r["epd_goodput"], r["colocated_goodput"]) for r in topo) or 1)
@@ -143,3 +143,8 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
     bottom.set_xlabel("P99 TPOT SLO (ms)")
     bottom.set_title(f"{k}/request: EPD / colocated goodput vs TPOT SLO")
     bottom.grid(alpha=0.3)
+
+
+def _x(ratio: float | None) -> str:
+    """A goodput ratio; none exists when the colocated side met the SLOs at no offered load."""
+    return f"{ratio:.2f}x" if ratio is not None and math.isfinite(ratio) else "n/a (no load met the SLOs)"

@@ -106,6 +106,11 @@ def run(
         "ring_bytes": max(ring_mib * MIB, 4 * (_align(biggest) + 4096)),
         "seed": secrets.randbits(32),
     }
+    for name, asked in (("pool", pool_mib), ("ring", ring_mib)):
+        got = cfg[f"{name}_bytes"]
+        if got > asked * MIB:  # said, so that the figures are read with the size they were taken at
+            print(f"(--{name}-mib {asked} is too small for {max(sizes):g} MiB transfers: using {got / MIB:,.0f} MiB, "
+                  "which holds 4 of the largest so every transfer moves cold bytes)")  # fmt: skip
     bar = Progress((warmup + repeats) * len(sizes), "hand-off benchmark", force=bool(progress))
     if progress is False:
         bar.enabled = False
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
                     help="progress bar (default: when stderr is a terminal)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
-        sizes = tuple(float(s) for s in args.sizes.split(",") if s.strip())
+        sizes = tuple(dict.fromkeys(float(s) for s in args.sizes.split(",") if s.strip()))  # once each
     except ValueError:
         ap.error(f"--sizes must be numbers separated by commas, not {args.sizes!r}")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -75,10 +76,23 @@ def check_out_dir(path: str | os.PathLike) -> None:
 
 
 def write_json(path: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:
+    """Standard JSON: a figure that does not exist (NaN: no load met the SLOs) is written as null,
+    which every parser reads (NaN is Python's extension)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"benchmark": name, "environment": environment(), **data}, indent=2))
+    body = _finite({"benchmark": name, "environment": environment(), **data})
+    p.write_text(json.dumps(body, indent=2, allow_nan=False))
     return p
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 class Progress:

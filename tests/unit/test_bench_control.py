@@ -58,3 +58,11 @@ def test_fresh_images_stay_distinct_past_the_patterns_period():
         demo_image(-1, (8, 8))
     images = control._Images(3)
     assert len(set(images.items)) == 3 and images.hit not in images.items
+
+
+def test_a_concurrency_given_twice_runs_once(tmp_path):
+    # the second run of a level reused the first one's images: its "misses" were all cache hits
+    assert control.main(["--requests", "5", "--concurrency", "1", "1", "--no-http", "--no-plot", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "control.json").read_text())
+    assert [(r["workload"], r["concurrency"]) for r in saved["results"]] == [("miss", 1), ("hit", 1), ("text", 1)]
+    assert not saved["targets"] or all("at 1" not in t["target"] or "req/s" not in t["target"] for t in saved["targets"])

@@ -56,3 +56,17 @@ def test_cost_goodput_labels_follow_images_per_request(tmp_path, capsys):
     assert "1 image/req" in out and "encode 1 image " in out and "1 image per request" in out
     assert "4 img" not in out and "4 images" not in out
     assert json.loads((tmp_path / "goodput.json").read_text())["workload"]["images_per_request"] == 1
+
+
+def test_no_load_meeting_the_slos_is_written_as_null_not_nan(tmp_path, capsys):
+    # NaN is not JSON: strict parsers refused the file; the table said "nanx"
+    assert goodput.main(["--quick", "--no-plot", "--out", str(tmp_path), "--ttft-slo", "0.001", "--topologies", "none",
+                         "--qps", "5", "--window", "2"]) == 0  # fmt: skip
+
+    def refuse(c):
+        raise ValueError(c)
+
+    data = json.loads((tmp_path / "goodput.json").read_text(), parse_constant=refuse)
+    assert data["epd_over_colocated_4img"] is None and data["workload"] and data["window_s"] == 2.0  # --window kept
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "n/a (no load met the SLOs)" in out
