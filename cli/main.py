@@ -260,6 +260,8 @@ def generate(
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(None),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    route: str = typer.Option("auto", help="auto (E->PD when encoders and PD workers exist), epd or colocated."),
     timeout: float = typer.Option(120.0),
     stream: bool = typer.Option(True, help="Print tokens as they arrive."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -271,7 +273,8 @@ def generate(
 
     async def main() -> int:
         async with AsyncClient(address, timeout=timeout, keys_dir=keys_dir, insecure=insecure) as c:
-            kw = dict(images=image, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            kw = dict(images=image, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                      stop=stop, route=route)  # fmt: skip
             if stream and not as_json:
                 async for d in c.stream(prompt, **kw):
                     sys.stdout.write(d.text)
@@ -328,6 +331,8 @@ def make_model(
 
     if out is None and (seed or overwrite):
         raise typer.BadParameter("--seed and --overwrite need OUT (the embedded model is always seed 0)")
+    if not 0 <= seed < 2**63:
+        raise typer.BadParameter(f"--seed must be in [0, 2**63), not {seed}")
     try:
         path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
     except OSError as e:  # a directory the user named that cannot be written: one line, not a traceback

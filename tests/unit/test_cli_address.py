@@ -60,6 +60,9 @@ def test_version():
         (["generate", "hi", "--broker", NOBODY, "--image", "/nonexistent.png"], 2, "error (invalid_input)"),
         (["generate", "hi", "--timeout", "0"], 2, "timeout"),  # was a ValueError traceback
         (["generate", "hi", "--timeout", "nan"], 2, "timeout"),
+        (["generate", "hi", "--broker", NOBODY, "--route", "bogus"], 2, "route must be one of auto, epd, colocated"),
+        (["generate", "hi", "--broker", NOBODY, "--route", "colocated", "--stop", "x", "--stop", "y", "--timeout",
+          "0.3"], 3, "error (deadline)"),  # fmt: skip  (accepted, then nobody answers)
     ],
 )
 def test_client_commands_exit_2_for_a_wrong_command_and_3_when_the_cluster_cannot_serve(argv, code, said):

@@ -66,6 +66,8 @@ def test_make_model_cli_refuses_a_foreign_directory(tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "mine"
     res = CliRunner().invoke(app, ["make-model", "--seed", "3"])
     assert res.exit_code == 2 and "need OUT" in res.output, res.output
+    res = CliRunner().invoke(app, ["make-model", str(tmp_path / "m"), "--seed", "-1"])  # was numpy's traceback
+    assert res.exit_code == 2 and "--seed must be in [0, 2**63)" in res.output and not (tmp_path / "m").exists()
 
 
 def test_config_token_ids_match_tokenizer(tiny):
