@@ -372,6 +372,18 @@ class Scheduler:
         self.dispatch()
         return True
 
+    def _missing(self, req: Request) -> str:
+        """Why a request waited in vain when no registered worker could ever take it ("" otherwise)."""
+        n = self._role_count
+        if req.state is ReqState.WAITING and not n[Role.ENCODER]:
+            return ": no encoder is registered"
+        if req.state is ReqState.READY:
+            if req.route == "colocated" and not n[Role.BOTH]:
+                return ": no colocated ('both') worker is registered for route 'colocated'"
+            if req.route == "epd" and not n[Role.PD]:
+                return ": no PD worker is registered"
+        return ""
+
     def expire(self) -> float | None:
         """Fail every request past its deadline; return the next deadline (or None)."""
         now = self.clock()
@@ -380,7 +392,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.deadline <= now:
                 self.counters["deadline_exceeded"] += 1
-                self._finish(req, DeadlineExceededError(f"deadline passed while {req.state.value}"))
+                self._finish(req, DeadlineExceededError(f"deadline passed while {req.state.value}{self._missing(req)}"))
         while self._leases and self._leases[0][0] <= now:
             _, job_id, attempt = heapq.heappop(self._leases)
             job = self._jobs_by_id.get(job_id)

@@ -148,6 +148,19 @@ def test_deadline_fails_waiting_and_aborts_running(clock):
     assert s.workers["pd-0"].credit == 1
 
 
+def test_a_deadline_says_when_no_registered_worker_could_take_the_request(clock):
+    s = make(clock, enc=0, pd=1)
+    submit(s, "colo", [], timeout=5, route="colocated")
+    submit(s, "img", [K(1)], timeout=5)
+    submit(s, "text", [], timeout=5)
+    clock.t += 6
+    s.expire()
+    msgs = {a.rid: a.error.message for a in of(s.take_actions(), Fail)}
+    assert msgs["colo"] == "deadline passed while ready: no colocated ('both') worker is registered for route 'colocated'"
+    assert msgs["img"] == "deadline passed while waiting: no encoder is registered"
+    assert msgs["text"] == "deadline passed while running"  # a PD worker took it: nothing was missing
+
+
 def test_prefers_pd_on_the_embeddings_node(clock):
     s = Scheduler(clock=clock)
     s.add_worker("enc-b", Role.ENCODER, "B", 4)
