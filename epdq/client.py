@@ -122,7 +122,10 @@ class AsyncClient:
         self.reconnects = 0
         self._rid_prefix = uuid.uuid4().hex[:16] + "-"  # unique per client; a counter after it
         self._rids = itertools.count(1)
-        self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
+        try:
+            self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
+        except InvalidInputError as e:  # the client's own settings (keys), not a request's input
+            raise ConfigError(e.message) from None
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -151,7 +154,10 @@ class AsyncClient:
         def watch(s: zmq.Socket) -> None:
             self._handshakes = watch_if_curve(s, "client", self._on_refused)
 
-        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security, before_connect=watch)
+        try:
+            sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security, before_connect=watch)
+        except InvalidInputError as e:  # keys or plaintext rules: this client's settings
+            raise ConfigError(e.message) from None
         # token messages are small: receive bytes; batch what we send per loop turn
         self._channel = Channel(sock, self._on_frames, copy=True, coalesce=True)
         self._channel.start()
