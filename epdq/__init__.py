@@ -11,6 +11,7 @@ from epdq.errors import (
     InternalError,
     InvalidInputError,
     ProtocolError,
+    RingFullError,
     WorkerLostError,
 )
 
@@ -31,5 +32,6 @@ def __getattr__(name: str):
 __all__ = [
     *_CLIENT_NAMES, "EpdqError", "BusyError", "InvalidInputError", "DeadlineExceededError", "WorkerLostError",
     "BrokerUnavailableError", "CancelledError", "EngineError", "ProtocolError", "ConfigError", "InternalError",
+    "RingFullError",
     "__version__",
 ]  # fmt: skip

@@ -421,13 +421,13 @@ class Broker:
             role = Role(msg.role)
         except ValueError:
             self.counters["protocol_errors"] += 1
-            self._send(identity, P.Bye(f"unknown role {msg.role[:16]!r}"))
+            self._send(identity, P.Bye(f"unknown role {msg.role[:16]!r}", refused=True))
             return
         if msg.protocol_version != P.PROTOCOL_VERSION:
-            self._send(identity, P.Bye(f"protocol version {msg.protocol_version} != {P.PROTOCOL_VERSION}"))
+            self._send(identity, P.Bye(f"protocol version {msg.protocol_version} != {P.PROTOCOL_VERSION}", refused=True))
             return
         if not 1 <= msg.capacity <= 4096 or not 1 <= len(msg.worker_id) <= 128 or not 1 <= len(msg.node) <= 128:
-            self._send(identity, P.Bye("capacity must be in [1, 4096], worker_id and node 1..128 characters"))
+            self._send(identity, P.Bye("capacity must be in [1, 4096], worker_id and node 1..128 characters", refused=True))
             return
         if role is Role.ENCODER:
             if not self.scope:
@@ -437,7 +437,7 @@ class Broker:
                     "refusing encoder %s: scope %s differs from %s", msg.worker_id, msg.scope, self.scope
                 )
                 self._send(
-                    identity, P.Bye(f"model scope {msg.scope!r} differs from the broker's {self.scope!r}")
+                    identity, P.Bye(f"model scope {msg.scope!r} differs from the broker's {self.scope!r}", refused=True)
                 )
                 return
         old = self._by_id.get(msg.worker_id)
@@ -648,7 +648,9 @@ class Broker:
             del self.workers[peer.identity]
         if self._by_id.get(peer.worker_id) is peer:
             del self._by_id[peer.worker_id]
-            log.warning("worker %s removed: %s", peer.worker_id, reason)
+            w = self.scheduler.workers.get(peer.worker_id)
+            planned = w is not None and w.draining and not w.inflight  # a drain that ended as it should
+            log.log(logging.INFO if planned else logging.WARNING, "worker %s removed: %s", peer.worker_id, reason)
             self.scheduler.remove_worker(peer.worker_id, reason)
 
     def _forget_client_request(self, client: bytes, rid: str) -> None:

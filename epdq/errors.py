@@ -83,8 +83,9 @@ class StaleEmbeddingError(EpdqError):
     retryable = True
 
 
-class RingFullError(EpdqError):
-    """An embedding does not fit in the encoder's ring."""
+class RingFullError(InvalidInputError):
+    """An image's embedding is larger than the encoders' ring: a smaller image, or encoders with a
+    larger --ring-mb (an InvalidInputError: the same request fails the same way again)."""
 
     code = "ring_full"
 

@@ -228,6 +228,7 @@ class Heartbeat(_S):
 
 class Bye(_S):
     reason: str = ""
+    refused: bool = False  # broker -> worker: this registration can never succeed (do not retry)
 
 
 class Drain(_S):

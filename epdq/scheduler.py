@@ -186,7 +186,8 @@ class Scheduler:
         if w is None:
             return
         self._role_count[w.role] -= 1
-        self.counters["workers_lost"] += 1
+        if not (w.draining and not w.inflight):  # a drained worker leaving is planned, not lost
+            self.counters["workers_lost"] += 1
         if w.role is Role.ENCODER:
             for job_id in list(w.inflight):
                 job = self._jobs_by_id.get(job_id)

@@ -39,12 +39,15 @@ class BrokerLink:
         heartbeat: Callable[[], P.Heartbeat] | None = None,
         security: SecurityConfig | None = None,
         copy: bool = False,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.address = address
         self.register = register
         self._handler = handler
         # called with again=True when the broker accepted us anew: it holds none of our old work
         self._on_registered = on_registered
+        self._on_refused = on_refused  # called once the broker refuses this worker for good
+        self.refused = ""
         self.registrations = 0
         self._security = security
         self._copy = copy  # receive bytes (small messages) instead of zero-copy frames
@@ -118,7 +121,16 @@ class BrokerLink:
                 self.send(P.Drain(self.draining))
         elif isinstance(msg, P.Drain):
             self.drain_acked.set()
+        elif isinstance(msg, P.Bye) and msg.refused:
+            # another model, another release, a bad setting: registering again cannot help
+            log.error("the broker refused this worker: %s", msg.reason, extra={"event": "refused"})
+            self.registered.clear()
+            self.refused = msg.reason or "refused"
+            if self._on_refused is not None:
+                self._on_refused(self.refused)
         elif isinstance(msg, P.Bye):
+            if self.refused:
+                return
             # Heartbeats queued while the broker was down reach a new broker together, and each
             # gets a BYE: one REGISTER answers them all (each further one would make the broker
             # drop this worker, and what it had just sent it, and register it again).
@@ -137,7 +149,7 @@ class BrokerLink:
 
     async def _beat(self) -> None:
         backoff = self.heartbeat_s
-        while not self.closed:
+        while not self.closed and not self.refused:
             await asyncio.sleep(self.heartbeat_s)
             if time.monotonic() - self._last_heard > self.heartbeat_s * self.liveness:
                 why = self._handshakes.problem if self._handshakes is not None else ""

@@ -306,7 +306,7 @@ async def _run_encoder(
         )  # fmt: skip
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
-            heartbeat=worker.heartbeat, security=security,
+            heartbeat=worker.heartbeat, security=security, on_refused=lambda _reason: stop.set(),
         )  # fmt: skip
         worker.link = link
         on_loaded()
@@ -328,6 +328,7 @@ async def _run_encoder(
     finally:
         worker.close()
         ring.close(unlink=True)
+    _check_refused(link)
 
 
 async def _run_pd(
@@ -373,7 +374,7 @@ async def _run_pd(
         )
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
-            security=security, copy=not colocated,
+            security=security, copy=not colocated, on_refused=lambda _reason: stop.set(),
         )  # fmt: skip
         worker.link = link
         on_loaded()
@@ -394,6 +395,12 @@ async def _run_pd(
         await engine.close()
     if worker.death:
         raise EngineError(f"the engine died ({worker.death}); this worker left the broker")
+    _check_refused(link)
+
+
+def _check_refused(link: BrokerLink) -> None:
+    if link.refused:  # the process exits 2 with this line, and a supervisor sees a setting to fix
+        raise ConfigError(f"the broker refused this worker: {link.refused}")
 
 
 async def _watch_engine(worker, interval_s: float = 0.5) -> None:

@@ -348,3 +348,36 @@ async def test_an_encoder_of_an_ipc_cluster_needs_no_keys(tmp_path):
             p.terminate()
             p.wait(30)
             p.stderr.close()
+
+
+def test_a_worker_the_broker_refuses_says_why_and_exits(tmp_path):
+    """An encoder of another model: the broker refuses it (BYE, refused). It used to log "register
+    again" every 5 s forever; now it says why, once, and exits 2 for its supervisor to report."""
+    import zmq
+
+    from epdq import protocol as P
+
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    addr = f"ipc://{tmp_path}/sock/b.sock"
+    broker = subprocess.Popen([*EPDQ, "broker", "--address", addr], env=env, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    first = ctx.socket(zmq.DEALER)
+    first.setsockopt(zmq.LINGER, 0)
+    try:
+        # an encoder of some other model registers first: the broker's scope becomes its
+        first.connect(addr)
+        first.send_multipart(P.encode(P.Register("enc-other", "encoder", "n", 1, "other-model-scope", "m", 1)))
+        assert first.poll(30_000), "the broker did not answer"
+        assert isinstance(P.decode(first.recv_multipart())[0], P.Registered)
+        t0 = time.monotonic()
+        r = subprocess.run([*EPDQ, "worker", "--role", "encoder", "--engine", "noop", "--broker", addr],
+                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "the broker refused this worker: model scope 'noop-vision-v1' differs" in r.stderr, r.stderr[-2000:]
+        assert "registering again" not in r.stderr and time.monotonic() - t0 < 30
+    finally:
+        first.close()
+        ctx.term()
+        broker.terminate()
+        broker.wait(30)
+        broker.stderr.close()

@@ -72,6 +72,7 @@ async def test_pd_worker_drains_on_sigterm(tmp_path):
         s = await c.stats()
         assert _worker(s, "pd-0") is None and s["counters"]["pd_requeues"] == 0
         assert s["counters"]["requests_failed"] == 0
+        assert s["counters"]["workers_lost"] == 0  # a planned leave (it used to count as lost)
         log = cluster.child("pd-0").tail(60)
         assert "draining" in log and "drained" in log, log
 
@@ -93,6 +94,7 @@ async def test_encoder_drains_its_jobs_and_pinned_entries(tmp_path):
         s = await c.stats()
         assert s["counters"]["encode_requeues"] == 0 and s["counters"]["requests_failed"] == 0
         assert [w["worker_id"] for w in s["workers"] if w["role"] == "encoder"] == ["encoder-1"]
+        assert s["counters"]["workers_lost"] == 0
 
 
 async def test_second_sigterm_or_timeout_cuts_the_drain_short(tmp_path):
