@@ -520,6 +520,10 @@ class Broker:
         if self._require_worker(identity, peer):
             self.scheduler.on_evicted(peer.worker_id, msg.entries)
 
+    def _on_ring_blocked(self, identity: bytes, peer: _Peer | None, msg: P.RingBlocked, payload: list[Any]) -> None:
+        if self._require_worker(identity, peer):
+            self.scheduler.on_ring_blocked(peer.worker_id, msg.job_id, msg.nbytes)
+
     def _on_tokens(self, identity: bytes, peer: _Peer | None, msg: P.Tokens, payload: list[Any]) -> None:
         if not self._require_worker(identity, peer):
             return
@@ -685,6 +689,7 @@ _HANDLERS = {
     P.Encoded: Broker._on_encoded,
     P.EncodeFailed: Broker._on_encode_failed,
     P.Evicted: Broker._on_evicted,
+    P.RingBlocked: Broker._on_ring_blocked,
     P.Tokens: Broker._on_tokens,
     P.PdFailed: Broker._on_pd_failed,
 }

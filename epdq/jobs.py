@@ -76,6 +76,7 @@ class Request:
     worker: str | None = None
     streamed: bool = False
     attempts: int = 0
+    stale_reads: int = 0  # PD reads that found an entry replaced (ring pressure, not a failure)
     cache_hits: int = 0
     image_bytes: int = 0
     first_token_at: float = 0.0  # set by the broker, for TTFT / TPOT metrics

@@ -20,7 +20,7 @@ import msgspec
 from epdq.errors import ProtocolError
 
 # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN;
-# 5: PING carries the client's requests in flight, PONG those the broker does not hold
+# 5: PING carries the client's requests in flight, PONG those the broker does not hold; RING_BLOCKED; BYE refused
 PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
@@ -53,6 +53,7 @@ class MsgType(IntEnum):
     PIN = 33
     UNPIN = 34
     EVICTED = 35
+    RING_BLOCKED = 36  # encoder -> broker: a finished embedding waits for room in the ring
     # pd <-> broker
     PREFILL = 40
     ABORT = 41
@@ -288,6 +289,14 @@ class Evicted(_S):
     entries: list[EntryId]
 
 
+class RingBlocked(_S):
+    """Job `job_id`'s embedding (`nbytes`) is done but every region of the ring that could take
+    it holds pinned entries. The encoder keeps it and stores it once room appears."""
+
+    job_id: int
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Prefill(_S):
     request_id: str
     messages: list[ChatMessage]
@@ -380,6 +389,7 @@ SCHEMAS: dict[MsgType, type[_S]] = {
     MsgType.PIN: Pin,
     MsgType.UNPIN: Unpin,
     MsgType.EVICTED: Evicted,
+    MsgType.RING_BLOCKED: RingBlocked,
     MsgType.PREFILL: Prefill,
     MsgType.ABORT: Abort,
     MsgType.PD_FAILED: PdFailed,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
-from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
+from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry, entry_span
 
 SHM_DIR = "/dev/shm"
 KEY_BYTES = 16
@@ -177,7 +177,7 @@ class RingWriter:
         """Copy `tensor` into the ring as a new pinned entry; None if every window is pinned."""
         _check_key(key)
         nbytes = tensor.nbytes
-        span = HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN
+        span = entry_span(nbytes)
         if span > self.capacity:
             raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
         with self._lock:

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 HEADER_BYTES = 64
 ALIGN = 64
+
+
+def entry_span(nbytes: int) -> int:
+    """Bytes an entry of `nbytes` takes in a ring: its header, the data rounded up to ALIGN."""
+    return HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN
 _LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
 
 

@@ -24,6 +24,7 @@ from epdq.errors import (
     DeadlineExceededError,
     EpdqError,
     InvalidInputError,
+    RingFullError,
     WorkerLostError,
     error_from_code,
 )
@@ -43,6 +44,7 @@ from epdq.jobs import (
     WorkerState,
 )
 from epdq.protocol import EmbedRef, EntryId
+from epdq.ring_space import entry_span
 
 
 @dataclass(slots=True)
@@ -67,11 +69,13 @@ class SchedulerConfig:
             raise ValueError("retry hint must be >= 0 and max timeout > 0")
 
 
+MAX_STALE_READS = 8  # per request; then it fails as busy (the rings are too small for the load)
+
 COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
     "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
-    "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired",
+    "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired", "ring_blocks", "pins_released",
 )  # fmt: skip
 
 
@@ -318,6 +322,8 @@ class Scheduler:
         req.state = state
 
     def _make_ready(self, req: Request, front: bool = False) -> None:
+        if req.route == "epd":
+            self._pin(req)  # entries whose pins were released under ring pressure (on_ring_blocked)
         self._set_state(req, ReqState.READY)
         req.ready_at = req.ready_at or self.clock()
         q = self._ready[req.route]
@@ -479,6 +485,60 @@ class Scheduler:
             if req is not None:
                 self._finish(req, error_from_code(err.code, err.message))
 
+    def _pin(self, req: Request) -> None:
+        by_encoder: dict[str, list[EntryId]] = {}
+        for key in dict.fromkeys(req.keys):
+            entry = self.index.get(key)
+            if entry is not None and not entry.pinned:
+                entry.pinned = True
+                self._index_pinned += 1
+                by_encoder.setdefault(entry.ref.encoder_id, []).append(EntryId(key, entry.ref.generation))
+        for encoder_id, ids in by_encoder.items():
+            self._emit(SendPin(encoder_id, ids))  # one already evicted comes back as EVICTED
+
+    def on_ring_blocked(self, worker_id: str, job_id: int, nbytes: int) -> None:
+        """An encoder holds job `job_id`'s embedding but its ring is full of pinned entries.
+
+        Pins held by requests still waiting for other images can deadlock the rings: each ring
+        full of halves of requests whose other halves need room. So the pins that only waiting
+        requests hold on that encoder are released (those entries may be evicted, and re-encoded
+        when needed), except the ones of the requests this job serves: they go first. When those
+        requests' own entries leave no room for this one, they never will: they fail."""
+        job = self._jobs_by_id.get(job_id)
+        w = self.workers.get(worker_id)
+        if job is None or job.worker != worker_id or w is None:
+            return
+        self.counters["ring_blocks"] += 1
+        mine = self.users.get(job.key, set())
+        own = 0
+        release: list[EntryId] = []
+        for key in self._by_encoder.get(worker_id, ()):
+            entry = self.index.get(key)
+            if entry is None or not entry.pinned:
+                continue
+            users = self.users.get(key, ())
+            if users & mine:
+                own += entry_span(entry.ref.nbytes)
+            elif users and all(self.requests[r].state is ReqState.WAITING for r in users):
+                release.append(EntryId(key, entry.ref.generation))
+        if w.ring_capacity and own + entry_span(nbytes) > w.ring_capacity:
+            job.worker = None
+            self._jobs_assigned -= 1
+            self._release_slot(w, job_id)
+            self._fail_job(job, RingFullError(
+                f"the images of this request need {own + entry_span(nbytes)} bytes at once in encoder {worker_id}'s ring of "
+                f"{w.ring_capacity} bytes: send fewer or smaller images, or run encoders with a larger --ring-mb"
+            ))  # fmt: skip
+            self.dispatch()
+            return
+        for e in release:
+            entry = self.index[e.key]
+            entry.pinned = False
+            self._index_pinned -= 1
+        if release:
+            self.counters["pins_released"] += len(release)
+            self._emit(SendUnpin(worker_id, release))
+
     def on_evicted(self, worker_id: str, entries: list[EntryId]) -> None:
         for e in entries:
             entry = self.index.get(e.key)
@@ -533,14 +593,25 @@ class Scheduler:
         if req is None or req.worker != worker_id:
             self.dispatch()
             return
-        if stale and not req.streamed and req.attempts + 1 < self.cfg.max_pd_attempts:
+        if stale and not req.streamed and req.stale_reads < MAX_STALE_READS:
+            # a ring under pressure, not a failing worker: retried apart from max_pd_attempts
             self.counters["stale_reads"] += 1
-            req.attempts += 1
+            req.stale_reads += 1
             for e in stale:
                 entry = self.index.get(e.key)
                 if entry is not None and entry.ref.generation == e.generation:
+                    if entry.pinned:
+                        # A worker names every entry of the request, and only one need be gone: the
+                        # others are still in their ring, pinned. Forgotten here without an unpin,
+                        # they stayed pinned for good, and enough of them deadlocked the ring.
+                        self._emit(SendUnpin(entry.ref.encoder_id, [e]))
                     self._drop_entry(e.key)  # other users wait for it again; this one: below
             self._requeue(req)
+        elif stale and not req.streamed:
+            self._finish(req, BusyError(
+                f"its embeddings were replaced in the encoders' rings {req.stale_reads} times before a PD worker "
+                "could read them: the rings are too small for this load (--ring-mb)", retry_after=1.0,
+            ))  # fmt: skip
         else:
             self._finish(req, error_from_code(code, message))
         self.dispatch()

@@ -173,8 +173,8 @@ class EncoderWorker:
             log.debug("encoded jobs %s in %.3f s", [j.job_id for j in good], per_image * len(good),
                       extra={"event": "encoded", "job_ids": str([j.job_id for j in good])})  # fmt: skip
         for job, out in zip(good, outs, strict=True):
-            if self._blocked or not self._store(job, out, per_image):
-                self._blocked.append((job, out, per_image))  # keeps completion order
+            if not self._store(job, out, per_image):
+                self._block(job, out, per_image)
         self._report_evictions()
 
     async def _encode_one(self, job: _Job, image: Any) -> None:
@@ -184,8 +184,8 @@ class EncoderWorker:
         except Exception as e:
             self._fail(job, _as_epdq_error(e))
             return
-        if self._blocked or not self._store(job, out, time.perf_counter() - t0):
-            self._blocked.append((job, out, time.perf_counter() - t0))
+        if not self._store(job, out, time.perf_counter() - t0):
+            self._block(job, out, time.perf_counter() - t0)
 
     async def _call_engine(self, images: list) -> list[EncodedImage]:
         if getattr(self.engine, "inline", False):  # cheap engines: a thread hop would cost more
@@ -211,12 +211,18 @@ class EncoderWorker:
         self.link.send(P.Encoded(job.job_id, ref, encode_s))
         return True
 
+    def _block(self, job: _Job, out: EncodedImage, encode_s: float) -> None:
+        """No room for `out` now: keep it, and tell the broker, which may release pins that can
+        never be freed otherwise (see Scheduler.on_ring_blocked). Later results that fit go
+        ahead of it: one large entry must not hold up every other request on this encoder."""
+        self._blocked.append((job, out, encode_s))
+        self.link.send(P.RingBlocked(job.job_id, out.embeds.numel() * out.embeds.element_size()))
+
     def _retry_blocked(self) -> None:
-        while self._blocked:
-            job, out, encode_s = self._blocked[0]
+        for _ in range(len(self._blocked)):
+            job, out, encode_s = self._blocked.popleft()
             if not self._store(job, out, encode_s):
-                break
-            self._blocked.popleft()
+                self._blocked.append((job, out, encode_s))  # still no room: it keeps its turn
         self._report_evictions()
 
     def _report_evictions(self) -> None:

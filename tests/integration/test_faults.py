@@ -206,6 +206,42 @@ async def test_a_paused_broker_does_not_blame_its_workers(tmp_path):
     assert "the broker did not run for" in (tmp_path / "logs" / "broker.log").read_text()
 
 
+async def test_rings_full_of_half_encoded_requests_do_not_deadlock(tmp_path):
+    """Many requests of 3 large images each against small rings: each ring fills up with the first
+    images of different requests, pinned while those requests wait for their others, which then
+    find no room anywhere. Every request used to wait for its deadline. The broker now releases
+    the pins of waiting requests on a blocked ring, so the blocked request gets room; a request
+    whose images can never share one ring fails at once with RingFullError."""
+    from epdq import RingFullError
+
+    spec = noop_spec(tmp_path, encoders=2, worker_defaults={"engine": "noop", "ring_bytes": 1 << 20})
+    big = [demo_image(1000 + i, (448, 448)) for i in range(96)]  # 128 KiB of embedding each
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
+        sem = asyncio.Semaphore(32)
+
+        async def one(i: int):
+            async with sem:
+                return await c.generate(f"r{i}", images=big[3 * i : 3 * i + 3], max_tokens=2, route="epd")
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one(i) for i in range(32)), return_exceptions=True)
+        assert [type(r).__name__ for r in results] == ["GenerateResult"] * 32, results
+        assert time.monotonic() - t0 < 40
+        s = await c.stats()
+        assert s["counters"]["ring_blocks"] >= 1, s["counters"]
+        assert s["counters"]["requests_failed"] == 0
+
+    # one encoder: eight such images (8 x 128 KiB + headers) can never share its 1 MiB ring
+    spec = noop_spec(tmp_path / "one", worker_defaults={"engine": "noop", "ring_bytes": 1 << 20})
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RingFullError, match="at once in encoder"):
+            await c.generate("too many", images=[demo_image(2000 + i, (448, 448)) for i in range(8)], max_tokens=2)
+        assert time.monotonic() - t0 < 20  # it used to wait out its deadline, then say worker_lost
+        ok = await c.generate("fits", images=[demo_image(3000, (448, 448))], max_tokens=2)  # the ring recovers
+        assert len(ok.token_ids) == 2
+
+
 async def test_dead_encoder_jobs_are_requeued(tmp_path):
     spec = noop_spec(tmp_path, encoders=2, worker_defaults={"engine": "noop", "noop_encode_s": 0.3})
     async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:

@@ -52,7 +52,7 @@ TYPED_CODES = {"invalid_input", "protocol", "stale", "deadline", "engine", "canc
                "ring_full", "busy", "worker_lost"}  # fmt: skip
 BROKER_HANDLED = {
     P.Submit, P.Cancel, P.StatsRequest, P.Ping, P.Register, P.Heartbeat, P.Bye,
-    P.Encoded, P.EncodeFailed, P.Evicted, P.Tokens, P.PdFailed,
+    P.Encoded, P.EncodeFailed, P.Evicted, P.RingBlocked, P.Tokens, P.PdFailed,
 }  # fmt: skip
 
 
@@ -178,6 +178,7 @@ def template(rng: random.Random, t: T) -> tuple[P._S, list[bytes]]:
         T.PIN: lambda: P.Pin([e]),
         T.UNPIN: lambda: P.Unpin([e]),
         T.EVICTED: lambda: P.Evicted([e]),
+        T.RING_BLOCKED: lambda: P.RingBlocked(rng.randint(0, 2**63 - 1), rng.randint(0, 2**40)),
         T.PREFILL: lambda: P.Prefill(f"fz-{rng.getrandbits(48):x}", _messages(rng, 0, False), _sampling(rng, False), 5.0, []),
         T.ABORT: lambda: P.Abort(_rstr(rng)),
         T.PD_FAILED: lambda: P.PdFailed(_rstr(rng), "engine", "m", [e]),

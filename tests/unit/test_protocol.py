@@ -20,7 +20,7 @@ def test_every_message_round_trips():
         P.Register("w", "encoder", "n", 8, "scope", "m", 123, ring_segment="s", ring_capacity=1 << 20),
         P.Ping(1), P.Pong(1, "b"), P.Registered("w", 1.0), P.Heartbeat(), P.Bye("x"), P.Drain("x"), P.Encode(4, b"k" * 16), P.Encoded(4, ref, 0.01),
         P.EncodeFailed(4, b"k", "invalid_input", "bad"), P.Pin([P.EntryId(b"k", 1)]), P.Unpin([]),
-        P.Evicted([P.EntryId(b"k", 2)]), P.Prefill("r", [], P.Sampling(), 3.0, [ref]), P.Abort("r"),
+        P.Evicted([P.EntryId(b"k", 2)]), P.RingBlocked(4, 1 << 20), P.Prefill("r", [], P.Sampling(), 3.0, [ref]), P.Abort("r"),
         P.PdFailed("r", "stale", "m", [P.EntryId(b"k", 1)]), P.Fetch(1, b"k", 2, 0, 10), P.Fetched(1, "stale", "x"),
     ]  # fmt: skip
     assert {type(m) for m in samples} == set(P.SCHEMAS.values())

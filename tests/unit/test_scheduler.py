@@ -2,7 +2,7 @@
 
 import pytest
 
-from epdq.errors import BusyError, DeadlineExceededError, InvalidInputError, WorkerLostError
+from epdq.errors import BusyError, DeadlineExceededError, InvalidInputError, RingFullError, WorkerLostError
 from epdq.jobs import Fail, ReqState, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.protocol import EmbedRef, EntryId
 from epdq.scheduler import Scheduler, SchedulerConfig
@@ -569,3 +569,80 @@ def test_an_encode_finished_while_draining_is_cached_only_if_someone_waits(clock
     acts = finish_encode(s, orphan)
     assert K(2) not in s.index  # not a cache entry on a leaving ring
     assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 1)])]
+
+
+def ring_sched(clock, ring=8192):
+    s = Scheduler(clock=clock)
+    s.add_worker("enc-0", Role.ENCODER, "n1", 4, ring)
+    s.add_worker("pd-0", Role.PD, "n1", 4)
+    return s
+
+
+def test_a_blocked_ring_releases_pins_that_only_waiting_requests_hold(clock):
+    """Two requests, each with one image in the ring and one still to store: a ring full of
+    halves. The pins of the other waiting request are released (its entry may be evicted and is
+    re-encoded later); the blocked job's own request keeps its pins and gets room."""
+    s = ring_sched(clock)
+    acts = submit(s, "A", [K(1), K(2)]) + submit(s, "B", [K(3), K(4)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(1)].job.job_id, ref_for(K(1), nbytes=1024))
+    s.on_encoded("enc-0", jobs[K(3)].job.job_id, ref_for(K(3), nbytes=1024))
+    s.take_actions()
+    s.on_ring_blocked("enc-0", jobs[K(2)].job.job_id, 3000)
+    acts = s.take_actions()
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(3), 1)])]
+    assert not s.index[K(3)].pinned and s.index[K(1)].pinned and s.counters["pins_released"] == 1
+    assert s.gauges()["index_pinned"] == 1
+    # A's second image lands: A is dispatched with both entries pinned
+    s.on_encoded("enc-0", jobs[K(2)].job.job_id, ref_for(K(2), nbytes=3000))
+    assert [p.request.rid for p in of(s.take_actions(), SendPrefill)] == ["A"]
+    # B's released entry is evicted to make that room: B waits for it again, a new encode
+    s.on_evicted("enc-0", [EntryId(K(3), 1)])
+    assert [e.job.key for e in of(s.take_actions(), SendEncode)] == [K(3)]
+    assert s.requests["B"].state is ReqState.WAITING and s.requests["B"].pending == {K(3), K(4)}
+
+
+def test_a_released_entry_is_pinned_again_when_its_request_becomes_ready(clock):
+    s = ring_sched(clock)
+    acts = submit(s, "A", [K(1), K(2)]) + submit(s, "B", [K(3), K(4)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(3)].job.job_id, ref_for(K(3), nbytes=1024))
+    s.on_ring_blocked("enc-0", jobs[K(1)].job.job_id, 1024)
+    assert not s.index[K(3)].pinned
+    s.take_actions()
+    s.on_encoded("enc-0", jobs[K(4)].job.job_id, ref_for(K(4), nbytes=1024))
+    acts = s.take_actions()
+    assert SendPin("enc-0", [EntryId(K(3), 1)]) in acts and s.index[K(3)].pinned
+    assert [p.request.rid for p in of(acts, SendPrefill)] == ["B"]
+
+
+def test_a_request_whose_images_cannot_share_the_ring_fails_at_once(clock):
+    # each image fits; together they never will, while the request holds the first ones
+    s = ring_sched(clock, ring=4096)
+    acts = submit(s, "A", [K(1), K(2), K(3)])
+    submit(s, "C", [K(9)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(1)].job.job_id, ref_for(K(1), nbytes=1500))
+    s.on_encoded("enc-0", jobs[K(2)].job.job_id, ref_for(K(2), nbytes=1500))
+    s.take_actions()
+    s.on_ring_blocked("enc-0", jobs[K(3)].job.job_id, 1500)
+    (fail,) = of(s.take_actions(), Fail)
+    assert fail.rid == "A" and isinstance(fail.error, RingFullError) and "4800 bytes at once" in fail.error.message
+    assert "A" not in s.requests and s.workers["enc-0"].credit >= 1  # the slot is free for C
+
+
+def test_stale_reads_are_retried_apart_from_pd_attempts_then_fail_as_busy(clock):
+    # ring pressure, not a failing worker: a request used to fail with a raw StaleEmbeddingError
+    # ("stale", in no table of README) after max_pd_attempts (3) replaced entries
+    s = make(clock)
+    acts = submit(s, "r1", [K(1)])
+    for gen in range(1, 20):
+        (enc,) = of(acts, SendEncode)
+        (pre,) = of(finish_encode(s, enc, gen=gen), SendPrefill)
+        s.on_pd_failed(pre.worker_id, "r1", "stale", "overwritten", [EntryId(K(1), gen)])
+        acts = s.take_actions()
+        if of(acts, Fail):
+            break
+    (fail,) = of(acts, Fail)
+    assert gen == 9 and s.counters["stale_reads"] == 8
+    assert isinstance(fail.error, BusyError) and "rings are too small" in fail.error.message
