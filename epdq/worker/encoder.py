@@ -37,6 +37,9 @@ class _Job:
     image: Any  # file bytes (a zmq frame)
 
 
+RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
+
+
 class EncoderWorker:
     def __init__(
         self,
@@ -61,7 +64,8 @@ class EncoderWorker:
         self._fetch_bind = fetch_bind
         self._security = security
         self._jobs: deque[_Job] = deque()
-        self._blocked: deque[tuple[_Job, EncodedImage, float]] = deque()  # waiting for ring space
+        # (job, result, encode seconds, when the broker was last told): waiting for ring space
+        self._blocked: deque[tuple[_Job, EncodedImage, float, float]] = deque()
         self._wake = asyncio.Event()
         self._fetch: Channel | None = None
         self.fetch_endpoint = ""
@@ -124,7 +128,11 @@ class EncoderWorker:
 
     async def run(self) -> None:
         while True:
-            await self._wake.wait()
+            if self._blocked:  # look again now and then: the broker is told again (see _retry_blocked)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RING_BLOCKED_REPORT_S)
+            else:
+                await self._wake.wait()
             self._wake.clear()
             self._retry_blocked()
             if not self._jobs:
@@ -215,14 +223,20 @@ class EncoderWorker:
         """No room for `out` now: keep it, and tell the broker, which may release pins that can
         never be freed otherwise (see Scheduler.on_ring_blocked). Later results that fit go
         ahead of it: one large entry must not hold up every other request on this encoder."""
-        self._blocked.append((job, out, encode_s))
+        self._blocked.append((job, out, encode_s, time.monotonic()))
         self.link.send(P.RingBlocked(job.job_id, out.embeds.numel() * out.embeds.element_size()))
 
     def _retry_blocked(self) -> None:
+        now = time.monotonic()
         for _ in range(len(self._blocked)):
-            job, out, encode_s = self._blocked.popleft()
-            if not self._store(job, out, encode_s):
-                self._blocked.append((job, out, encode_s))  # still no room: it keeps its turn
+            job, out, encode_s, told = self._blocked.popleft()
+            if self._store(job, out, encode_s):
+                continue
+            if now - told >= RING_BLOCKED_REPORT_S:
+                # still no room: other requests may have pinned what was released meanwhile
+                self.link.send(P.RingBlocked(job.job_id, out.embeds.numel() * out.embeds.element_size()))
+                told = now
+            self._blocked.append((job, out, encode_s, told))  # it keeps its turn
         self._report_evictions()
 
     def _report_evictions(self) -> None:

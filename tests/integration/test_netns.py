@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from epdq import AsyncClient, BrokerUnavailableError, InvalidInputError
+from epdq import AsyncClient, BrokerUnavailableError, ConfigError
 from epdq import protocol as P
 from epdq.cluster import Cluster, ClusterSpec
 from epdq.demo import demo_image
@@ -314,7 +314,7 @@ async def test_broker_encoder_pd_in_separate_network_namespaces(lab, model_dir, 
             assert im[-256:] not in wire
 
     # plaintext is refused across hosts: by the client library ...
-    with pytest.raises(InvalidInputError, match="not a loopback address"):
+    with pytest.raises(ConfigError, match="not a loopback address"):
         async with AsyncClient(broker_addr, insecure=True) as c:
             await c.stats(timeout=2.0)
     # ... by the CLI, which will not serve plaintext off loopback ...
