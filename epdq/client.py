@@ -171,6 +171,11 @@ class AsyncClient:
             self._handshakes.close()
             self._handshakes = None
 
+    def _reopen(self) -> None:
+        self._close_channel()
+        self.reconnects += 1
+        self._open()
+
     def _on_refused(self, problem: str) -> None:
         """The broker refused our key; ZeroMQ will not retry. Everything in flight fails now."""
         self._fail_all(ConfigError(problem))
@@ -196,10 +201,7 @@ class AsyncClient:
                 self._fail_all(BrokerUnavailableError(
                     f"broker {self.address} silent for {silent:.1f}s{self._handshake_problem()}"
                 ))  # fmt: skip
-                # a fresh socket (new identity) for later requests; ZeroMQ reconnects by itself
-                self._close_channel()
-                self.reconnects += 1
-                self._open()
+                self._reopen()  # a fresh socket (new identity) for later requests
                 continue
             self._ping()
 
@@ -336,9 +338,7 @@ class AsyncClient:
         if self._handshakes is not None and self._handshakes.refused:
             # ZeroMQ gave up on this connection: try afresh (the allow-list may have been fixed);
             # if the key is still refused, the request fails at once with the reason
-            self._close_channel()
-            self.reconnects += 1
-            self._open()
+            self._reopen()
         return self._channel
 
     def _prepare(
