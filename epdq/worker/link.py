@@ -8,6 +8,7 @@ stays silent for `liveness` heartbeats is treated as gone and the link reconnect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ class BrokerLink:
         self._register_sent = -1e9  # monotonic time of the last REGISTER
         self._task: asyncio.Task | None = None
         self.registered = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self.closed = False
         self.reconnects = 0
         self.draining = ""  # the reason given to the broker; said again after a re-registration
@@ -104,6 +106,8 @@ class BrokerLink:
         if isinstance(msg, P.Registered):
             # NaN/inf/absurd intervals would kill or stall _beat (or make it spin/reconnect in a loop)
             if 0.01 <= msg.heartbeat_s <= 600.0:
+                if msg.heartbeat_s < self.heartbeat_s:
+                    self._beat_now.set()  # the beat loop sleeps the old, longer interval: cut it short
                 self.heartbeat_s = msg.heartbeat_s
             else:
                 self.rejected += 1
@@ -150,7 +154,9 @@ class BrokerLink:
     async def _beat(self) -> None:
         backoff = self.heartbeat_s
         while not self.closed and not self.refused:
-            await asyncio.sleep(self.heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_s)
+            self._beat_now.clear()
             if time.monotonic() - self._last_heard > self.heartbeat_s * self.liveness:
                 why = self._handshakes.problem if self._handshakes is not None else ""
                 log.warning("broker silent for %.1fs%s; reconnecting", time.monotonic() - self._last_heard,

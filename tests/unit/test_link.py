@@ -84,3 +84,18 @@ async def test_reconnect_backoff_doubles_while_the_broker_stays_away(tmp_path):
     # to stay ~0.08 s apart (the first heartbeat after a reconnect reset the backoff)
     assert 3 <= len(gaps) <= 8, gaps
     assert gaps[-1] > 3 * gaps[0], gaps
+
+
+async def test_a_shorter_interval_from_the_broker_applies_at_once(broker):
+    # the worker starts with its own 1 s; a broker asking for 0.1 s (and judging by it) used to get
+    # the first heartbeat only after the full second, and dropped the worker right after it registered
+    addr, sock = broker
+    link = BrokerLink(addr, register(), lambda m, p: None, heartbeat_s=1.0, liveness=5)
+    link.start()
+    try:
+        (ident, _), = await recv_all(sock, 0.3)
+        sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.1))])
+        beats = [m for _, m in await recv_all(sock, 0.6) if isinstance(m, P.Heartbeat)]
+        assert len(beats) >= 3, beats
+    finally:
+        link.close()
