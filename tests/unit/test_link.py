@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -47,13 +48,23 @@ async def recv_all(sock: zmq.Socket, wait_s: float) -> list[tuple[bytes, object]
     return out
 
 
-async def test_byes_that_arrive_together_get_one_register(broker):
+@contextlib.asynccontextmanager
+async def registering(broker, heartbeat_s: float):
+    """A started link and the identity its REGISTER came from; closed at the end."""
     addr, sock = broker
-    link = BrokerLink(addr, register(), lambda m, p: None, heartbeat_s=0.5, liveness=5)
+    link = BrokerLink(addr, register(), lambda m, p: None, heartbeat_s=heartbeat_s, liveness=5)
     link.start()
     try:
         (ident, reg), = await recv_all(sock, 0.3)
         assert isinstance(reg, P.Register)
+        yield link, ident
+    finally:
+        link.close()
+
+
+async def test_byes_that_arrive_together_get_one_register(broker):
+    _, sock = broker
+    async with registering(broker, 0.5) as (link, ident):
         sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.5))])
         await asyncio.wait_for(link.registered.wait(), 5)
         # a new broker answering five queued heartbeats: five BYEs in a row
@@ -65,8 +76,6 @@ async def test_byes_that_arrive_together_get_one_register(broker):
         await asyncio.wait_for(link.registered.wait(), 5)
         sock.send_multipart([ident, *P.encode(P.Bye("later"))])  # registered again: a BYE counts anew
         assert [type(m) for _, m in await recv_all(sock, 0.3) if isinstance(m, P.Register)] == [P.Register]
-    finally:
-        link.close()
 
 
 async def test_reconnect_backoff_doubles_while_the_broker_stays_away(tmp_path):
@@ -89,13 +98,8 @@ async def test_reconnect_backoff_doubles_while_the_broker_stays_away(tmp_path):
 async def test_a_shorter_interval_from_the_broker_applies_at_once(broker):
     # the worker starts with its own 1 s; a broker asking for 0.1 s (and judging by it) used to get
     # the first heartbeat only after the full second, and dropped the worker right after it registered
-    addr, sock = broker
-    link = BrokerLink(addr, register(), lambda m, p: None, heartbeat_s=1.0, liveness=5)
-    link.start()
-    try:
-        (ident, _), = await recv_all(sock, 0.3)
+    _, sock = broker
+    async with registering(broker, 1.0) as (_link, ident):
         sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.1))])
         beats = [m for _, m in await recv_all(sock, 0.6) if isinstance(m, P.Heartbeat)]
         assert len(beats) >= 3, beats
-    finally:
-        link.close()
