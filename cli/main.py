@@ -335,9 +335,8 @@ def make_model(
         raise typer.BadParameter(f"--seed must be in [0, 2**63), not {seed}")
     try:
         path = default_model_dir() if out is None else write_tiny_checkpoint(out, seed=seed, overwrite=overwrite)
-    except OSError as e:  # a directory the user named that cannot be written: one line, not a traceback
-        typer.echo(f"error: cannot write the model to {out}: {e.strerror or e}", err=True)
-        raise typer.Exit(1) from None
+    except OSError as e:  # a directory the user named that cannot be written: one line, exit 2
+        raise ConfigError(f"cannot write the model to {out}: {_os_reason(e)}") from None
     typer.echo(str(path))
 
 
@@ -428,8 +427,7 @@ def keygen(
     try:
         d = ensure_cluster_keys(directory)
     except OSError as e:
-        typer.echo(f"error: cannot write keys to {directory}: {e.strerror or e}", err=True)
-        raise typer.Exit(1) from None
+        raise ConfigError(f"cannot write keys to {directory}: {_os_reason(e)}") from None
     typer.echo(f"keys in {d}: broker, client, worker (*.key public, *.key_secret private); allow-list {d}/allowed")
     typer.echo("Give clients client.key_secret + broker.key; workers worker.key_secret + broker.key.")
 
@@ -470,6 +468,15 @@ def bench_goodput(ctx: typer.Context) -> None:
 def bench_scale(ctx: typer.Context) -> None:
     """The scheduler with 1,000 simulated workers and 100,000 queued requests (--help for options)."""
     _bench("scale", ctx.args)
+
+
+def _os_reason(e: OSError) -> str:
+    # mkdir(parents=True) reports a file in the way as "File exists", naming neither
+    if isinstance(e, FileExistsError) and e.filename:
+        return f"{e.filename} exists and is not a directory"
+    if isinstance(e, NotADirectoryError) and e.filename:
+        return f"{e.filename}: a part of this path is a file, not a directory"
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
 
 
 def exit_code(e: EpdqError) -> int:
