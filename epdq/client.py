@@ -136,6 +136,8 @@ class AsyncClient:
 
     async def connect(self) -> None:
         if self._channel is not None:
+            if self._channel.loop is not asyncio.get_running_loop():
+                self._follow_running_loop()
             return
         self._open()
         self._ping()  # learn the broker's instance id now, so a restart is recognised later
@@ -176,6 +178,23 @@ class AsyncClient:
         self.reconnects += 1
         self._open()
 
+    def _follow_running_loop(self) -> None:
+        """A client connected under one `asyncio.run` and used under the next: its socket and
+        pinger belong to a loop that is gone, and so does everything that was in flight there.
+        Connect again on this loop. Two loops running at once cannot share one client."""
+        old = self._channel.loop if self._channel is not None else None
+        if old is not None and not old.is_closed():
+            raise RuntimeError(
+                "this AsyncClient is connected in another event loop that is still open; "
+                "use one client per event loop"
+            )
+        self._streams.clear()  # their futures and queues died with their loop
+        self._stats_waiters.clear()
+        self._pinger = None
+        self._reopen()
+        self._ping()
+        self._pinger = asyncio.create_task(self._watch_broker())
+
     def _on_refused(self, problem: str) -> None:
         """The broker refused our key; ZeroMQ will not retry. Everything in flight fails now."""
         self._fail_all(ConfigError(problem))
@@ -211,6 +230,16 @@ class AsyncClient:
 
     async def close(self) -> None:
         ch = self._channel
+        if ch is not None and ch.loop is not asyncio.get_running_loop():
+            old = ch.loop
+            if old is not None and not old.is_closed():
+                raise RuntimeError("close this AsyncClient in the event loop it is connected in")
+            # its loop is gone, and so is everything that was in flight there: only the socket is left
+            self._streams.clear()
+            self._stats_waiters.clear()
+            self._pinger = None
+            self._close_channel()
+            return
         if self._pinger is not None:
             self._pinger.cancel()
             self._pinger = None
@@ -335,6 +364,8 @@ class AsyncClient:
     def _require_channel(self) -> Channel:
         if self._channel is None:
             raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
+        if self._channel.loop is not asyncio.get_running_loop():
+            self._follow_running_loop()
         if self._handshakes is not None and self._handshakes.refused:
             # ZeroMQ gave up on this connection: try afresh (the allow-list may have been fixed);
             # if the key is still refused, the request fails at once with the reason

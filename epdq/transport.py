@@ -237,6 +237,11 @@ class Channel:
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_check()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that drives this channel (None before `start`)."""
+        return self._loop
+
     def _schedule_check(self) -> None:
         # the ZeroMQ FD is edge-like: any socket call may consume the wake-up, so look again soon
         if not self._check_scheduled and self._loop is not None and not self.closed:
