@@ -176,6 +176,8 @@ def is_pil_image(obj: Any) -> bool:
 
 def _to_png(im: Image.Image) -> bytes:
     try:
+        # turned now, as vLLM turns a PIL image it is given: the PNG carries no EXIF orientation
+        im = _upright(im)
         if im.mode not in _PNG_MODES:
             im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
         buf = io.BytesIO()

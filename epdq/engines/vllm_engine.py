@@ -256,6 +256,11 @@ class VllmEngine:
         except (VLLMClientError, ValueError) as exc:
             raise InvalidInputError(str(exc), request_id=request_id) from exc
         except EngineGenerateError as exc:
+            root = _root_cause(exc)
+            if isinstance(root, ValueError):
+                # vLLM wraps what its input processing rejects (an image whose aspect ratio the
+                # processor refuses, ...): the request's input, not the engine, as on an E->PD route
+                raise InvalidInputError(f"the engine refused the input: {root}", request_id=request_id) from exc
             raise EngineError(f"generation failed: {exc.__cause__ or exc}", request_id=request_id) from exc
 
     async def abort(self, request_id: str) -> None:
@@ -375,3 +380,11 @@ def _image_list(images, n_placeholders: int) -> dict | None:
     if any(not isinstance(im, Image.Image) for im in images):
         raise InvalidInputError("images must be PIL images")
     return {"image": images}
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc

@@ -128,6 +128,17 @@ async def test_bad_embeddings_are_rejected_and_engine_survives(engines, encoder)
     assert tokens and reason in ("stop", "length") and not pd.dead
 
 
+async def test_an_image_the_processor_refuses_is_invalid_input_on_the_colocated_engine(engines):
+    """vLLM wraps its processor's ValueError (aspect ratio > 200) in EngineGenerateError; it used
+    to reach the client as EngineError ("retrying may help"; HTTP 500) where E->PD said 400."""
+    _, both = engines
+    prompt = both.render_prompt(chat(1))
+    with pytest.raises(InvalidInputError, match="aspect ratio"):
+        await collect(both, prompt, SPEC, images=[Image.new("RGB", (4000, 1))])
+    tokens, _, reason = await collect(both, prompt, SPEC, images=[noise_image(5, (112, 112))])
+    assert tokens and reason in ("stop", "length") and not both.dead
+
+
 async def test_stream_chunks_and_abort(engines):
     pd, _ = engines
     prompt = pd.render_prompt(chat(0, "Tell a long story."))

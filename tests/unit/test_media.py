@@ -137,6 +137,20 @@ def test_decode_applies_exif_orientation_exactly_as_vllm_does(fmt):
     assert normalize_image(once).tobytes() == once.tobytes()
 
 
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_a_pil_image_with_an_exif_orientation_is_sent_as_its_file_would_be(orientation):
+    # The client re-encodes a PIL image as PNG, which used to drop its EXIF block: an encoder got
+    # a phone photo on its side, while the same file, or vLLM given the same PIL image, turned it.
+    from vllm.multimodal.image import convert_image_mode, normalize_image
+
+    data = oriented("JPEG", orientation)
+    sent = decode_image(load_image_bytes(Image.open(io.BytesIO(data))))
+    from_file = decode_image(data)
+    vllm_given_pil = convert_image_mode(normalize_image(Image.open(io.BytesIO(data))), "RGB")
+    assert sent.size == from_file.size == vllm_given_pil.size
+    assert sent.tobytes() == vllm_given_pil.tobytes()
+
+
 def test_decode_takes_the_first_frame_of_an_animation():
     frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
     buf = io.BytesIO()
