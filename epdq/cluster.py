@@ -12,7 +12,6 @@ import ctypes
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -379,12 +378,6 @@ def _split_host_port(value: str) -> tuple[str, int]:
 def _check_port_free(host: str, port: int) -> None:
     """The gateway starts last, after every worker has loaded: a port already taken must fail
     the start at once instead (a probe; the gateway's own bind still decides)."""
-    bare = host.strip("[]")
-    probe = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        probe.bind((bare, port))
-    except OSError as e:
-        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
-    finally:
-        probe.close()
+    from epdq.gateway import bind_socket
+
+    bind_socket(host, port).close()

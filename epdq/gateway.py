@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
-from epdq.errors import BrokerUnavailableError, EpdqError
+from epdq.errors import BrokerUnavailableError, ConfigError, EpdqError
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
 
@@ -395,16 +397,36 @@ def _model_card(config: GatewayConfig) -> dict:
 # ---------------------------------------------------------------- running it
 
 
+# a stream still open this long after SIGTERM is cut: a stop must end, as a worker's drain does
+GRACEFUL_SHUTDOWN_S = 30.0
+
+
 def build_server(config: GatewayConfig, **uvicorn_kw: Any):
     import uvicorn
 
     # uvicorn's loggers propagate to ours (one format for every line); its access log is replaced
     # by the gateway's own line per request, which carries the request id and timings
+    uvicorn_kw.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     ucfg = uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level=config.log_level,
         lifespan="on", proxy_headers=False, log_config=None, access_log=False, **uvicorn_kw,
     )  # fmt: skip
     return uvicorn.Server(ucfg)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before uvicorn starts: a port already taken is a
+    ConfigError (one line, exit 2) instead of uvicorn's log lines after "startup complete"."""
+    bare = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((bare, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 async def serve(config: GatewayConfig, *, sockets: list | None = None) -> None:
@@ -413,15 +435,26 @@ async def serve(config: GatewayConfig, *, sockets: list | None = None) -> None:
 
 
 def run(config: GatewayConfig) -> None:
-    """Blocking entry point for the CLI: `serve` on a fresh event loop (uvloop when installed)."""
+    """Blocking entry point for the CLI: `serve` on a fresh event loop (uvloop when installed).
+
+    SIGTERM stops the gateway gracefully and the process exits 0, as every epdq process does
+    after a drain (`epdq up` restarts such a child without counting it as a crash)."""
     from epdq.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    sock = bind_socket(config.host, config.port)
     try:
         import uvloop
 
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(config))
+    # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again; with
+    # the default handler found there, that re-raise killed the process (-15) after a clean stop
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(config, sockets=[sock]))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()

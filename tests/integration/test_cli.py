@@ -381,3 +381,35 @@ def test_a_worker_the_broker_refuses_says_why_and_exits(tmp_path):
         broker.terminate()
         broker.wait(30)
         broker.stderr.close()
+
+
+def test_serve_http_on_a_taken_port_is_one_line_and_sigterm_exits_0(tmp_path, unused_tcp_port):
+    """A port in use was exit 3 after uvicorn's "startup complete"; a SIGTERM'd gateway drained
+    and then died of the signal uvicorn re-raised (-15), which `epdq up` counted as a crash."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    base = [*EPDQ, "serve-http", "--broker", f"ipc://{tmp_path}/nobody.sock"]
+    try:
+        r = subprocess.run([*base, "--port", str(busy.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    finally:
+        busy.close()
+    assert r.returncode == 2 and "error (config): cannot serve HTTP on 127.0.0.1:" in r.stderr, r.stderr
+    assert "startup complete" not in r.stderr
+    gw = subprocess.Popen([*base, "--port", str(unused_tcp_port)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", unused_tcp_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and gw.poll() is None, gw.stderr.read()
+                time.sleep(0.1)
+        gw.send_signal(signal.SIGTERM)
+        assert gw.wait(30) == 0
+    finally:
+        if gw.poll() is None:
+            gw.kill()
+            gw.wait(10)
+        gw.stderr.close()
