@@ -191,7 +191,7 @@ def up(
     allow_dir: str = typer.Option("", help="Gateway: serve local image files under this directory."),
     metrics: str = typer.Option("", help="HOST:PORT for the broker's Prometheus /metrics and /health."),
     log_format: str = typer.Option("text", help="Child logs: text or json"),
-    restarts: int = typer.Option(5, min=0, help="Times a process that exits is restarted (0: stop everything)."),
+    restarts: int = typer.Option(5, min=0, help="Crashes in a row after which a process is not restarted but everything stops (0: at the first)."),
     drain_timeout: float = typer.Option(
         10.0, help="On Ctrl-C or SIGTERM: seconds to finish the requests in flight while new ones are refused "
         "(a second Ctrl-C stops at once)."
@@ -219,8 +219,10 @@ def up(
     async def main() -> None:
         # SIGTERM (systemd, docker stop) stops like Ctrl-C: the broker drains first (Cluster.stop)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        started = False
         try:
             await cluster.start(progress=lambda m: typer.echo(f"  {m}"))
+            started = True
             typer.echo(f"\nepdq is up. Connect to {address}   (logs: {cluster.log_dir})")
             if cluster.keys_dir:
                 typer.echo(f"  CURVE keys: {cluster.keys_dir} (clients use client.key_secret and broker.key)")
@@ -233,9 +235,14 @@ def up(
             typer.echo("Ctrl-C stops everything.")
             await cluster.supervise(max_restarts=restarts, say=lambda m: typer.echo(f"  {m}"))
         finally:
-            if cluster.children:
+            # asyncio.run's own handler takes the first Ctrl-C after a SIGTERM to cancel this
+            # (already ending) task and swallows it: from here on Ctrl-C must cut the drain short
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if started:
                 typer.echo(f"stopping: new requests are refused, those in flight finish (at most {drain_timeout:g} s; "
                            "Ctrl-C again stops at once)")  # fmt: skip
+            elif cluster.children:
+                typer.echo("stopping the processes started so far")
             try:
                 cluster.stop()
             except KeyboardInterrupt:

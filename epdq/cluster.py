@@ -88,13 +88,28 @@ class Child:
     log_offset: int = 0  # where this child's lines start in log_path
     kind: str = ""  # broker | worker | gateway
     cfg: object = None  # what it was started with (a restart reuses it)
-    restarts: int = 0
+    restarts: int = 0  # crashes in a row (a long healthy run starts the count again)
+    started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # it exited: when the supervisor starts it again
 
     def tail(self, n: int = 40) -> str:
+        """The last `n` lines this process wrote (not its predecessors' in the same file)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+def how_it_ended(rc: int) -> str:
+    """`exited with code 1`, `was killed by SIGKILL`: Popen's negative codes are signals."""
+    if rc >= 0:
+        return f"exited with code {rc}"
+    try:
+        return f"was killed by {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"was killed by signal {-rc}"
 
 
 def die_with_parent() -> None:
@@ -143,34 +158,48 @@ class Cluster:
         child.restarts = old.restarts + 1
         return child
 
-    async def supervise(self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5) -> None:
-        """Until cancelled: restart any child that exits, up to `max_restarts` times each; then
-        RuntimeError with its last log lines. Workers re-register by themselves, and find a
-        restarted broker again (its in-flight requests fail, typed, as after any broker restart).
+    async def supervise(
+        self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5,
+        backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 60.0,
+    ) -> None:  # fmt: skip
+        """Until cancelled: restart any child that exits, up to `max_restarts` crashes in a row
+        each; then RuntimeError with its last log lines. Workers re-register by themselves, and
+        find a restarted broker again (its in-flight requests fail, typed, as after any broker
+        restart).
 
-        A child that exits 0 was told to stop and drained (a rolling restart: SIGTERM one
-        process at a time): it is started again without counting against `max_restarts`."""
+        A crashed child is started again after `backoff_s`, doubling with each crash in a row up
+        to `backoff_max_s`, so that a cause that passes (a port briefly taken, a peer still
+        restarting) gets time to; one that ran `stable_s` before crashing starts its count again.
+        A child that exits 0 was told to stop and drained (a rolling restart: SIGTERM one process
+        at a time): it is started again at once, without counting against `max_restarts`."""
         while True:
             await asyncio.sleep(interval_s)
+            now = time.monotonic()
             for ch in list(self.children):
                 rc = ch.proc.poll()
                 if rc is None:
                     continue
                 planned = rc == 0 and max_restarts > 0
-                if not planned and ch.restarts >= max_restarts:
-                    raise RuntimeError(
-                        f"{ch.name} exited with code {rc}"
-                        + (f" after {ch.restarts} restarts" if ch.restarts else "")
-                        + f"; last log lines:\n{ch.tail()}"
-                    )
-                if planned:
-                    say(f"{ch.name} stopped cleanly (exit code 0); starting it again (log: {ch.log_path})")
-                else:
-                    say(f"{ch.name} exited with code {rc}; restarting it ({ch.restarts + 1}/{max_restarts}; "
-                        f"log: {ch.log_path})")  # fmt: skip
-                new = self.respawn(ch)
-                if planned:
-                    new.restarts = ch.restarts
+                if ch.restart_at is None:  # found it exited just now
+                    if not planned and now - ch.started >= stable_s:
+                        ch.restarts = 0  # not part of a crash loop
+                    if not planned and ch.restarts >= max_restarts:
+                        raise RuntimeError(
+                            f"{ch.name} {how_it_ended(rc)}"
+                            + (f" after {ch.restarts} restarts in a row" if ch.restarts else "")
+                            + f"; its last log lines:\n{ch.tail()}"
+                        )
+                    delay = 0.0 if planned else min(backoff_s * 2**ch.restarts, backoff_max_s)
+                    ch.restart_at = now + delay
+                    if planned:
+                        say(f"{ch.name} stopped cleanly (exit code 0); starting it again (log: {ch.log_path})")
+                    else:
+                        say(f"{ch.name} {how_it_ended(rc)}; restarting it in {delay:g} s "
+                            f"({ch.restarts + 1}/{max_restarts}; log: {ch.log_path})")  # fmt: skip
+                if now >= ch.restart_at:
+                    new = self.respawn(ch)
+                    if planned:
+                        new.restarts = ch.restarts
 
     def worker_configs(self) -> list[tuple[str, WorkerConfig]]:
         out = []
@@ -325,17 +354,18 @@ class Cluster:
         raise KeyError(name)
 
     def stop(self, timeout: float = 15.0, *, now: bool = False) -> None:
-        """The broker (and the gateway) first: SIGTERM makes it refuse new requests and wait for
-        those in flight, which the workers, still running, finish; then the workers, which find
-        the broker gone and leave at once (rings unlinked). `now`: SIGINT, no drain."""
+        """The broker first: SIGTERM makes it refuse new requests and wait for those in flight,
+        which the workers, still running, finish, while the gateway keeps answering (429 for new
+        requests, /health 503: a load balancer sees a draining server, not a refused connection);
+        then the gateway; then the workers, which find the broker gone and leave at once (rings
+        unlinked). `now`: SIGINT to all, no drain."""
         drain = 0.0 if now else self.spec.drain_timeout_s
         timeout = max(timeout, drain + 5.0)
         sig = signal.SIGINT if now else signal.SIGTERM
-        front = ("broker", "gateway")
-        for group in (
-            [c for c in self.children if c.kind in front],
-            [c for c in self.children if c.kind not in front],
-        ):
+        order = ("broker", "gateway", "worker")
+        for group in [[c for c in self.children if c.kind == k] for k in order] + [
+            [c for c in self.children if c.kind not in order]
+        ]:
             for ch in group:
                 if ch.proc.poll() is None:
                     ch.proc.send_signal(sig)

@@ -148,6 +148,13 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
             assert time.monotonic() < deadline and long.poll() is None, "the long request did not start"
             time.sleep(0.02)
         os.kill(up.pid, signal.SIGTERM)
+        # the gateway stays up while the broker drains (it used to stop at once: connection
+        # refused), and tells a load balancer so
+        deadline = time.monotonic() + 20
+        while (health := _get(f"http://127.0.0.1:{http_port}/health"))[0] != 503:
+            assert time.monotonic() < deadline and long.poll() is None, health
+            time.sleep(0.05)
+        assert "draining" in health[1]
         out, err = long.communicate(timeout=60)
         assert long.returncode == 0, err
         long_result = json.loads(out)

@@ -1,0 +1,78 @@
+"""`Cluster.supervise`'s restart policy (what `epdq up` does when a process exits), driven with
+short-lived `sh` processes in place of epdq's own children."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from epdq.cluster import Child, Cluster, ClusterSpec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def crashing_cluster(tmp_path, script: str = "exit 3") -> tuple[Cluster, list[float]]:
+    cluster = Cluster(ClusterSpec(address=f"ipc://{tmp_path}/b.sock", log_dir=str(tmp_path)))
+    starts: list[float] = []
+
+    def spawn(name: str, kind: str, cfg: object) -> Child:
+        starts.append(time.monotonic())
+        log = tmp_path / f"{name}.log"
+        with open(log, "ab") as out:
+            offset = out.tell()
+            proc = subprocess.Popen(["sh", "-c", f"echo run {len(starts)}; {script}"], stdout=out)
+        child = Child(name, proc, log, offset, kind, cfg)
+        cluster.children.append(child)
+        return child
+
+    cluster._spawn = spawn  # type: ignore[method-assign]
+    spawn("pd-0", "worker", None)
+    return cluster, starts
+
+
+async def test_crashes_in_a_row_back_off_then_stop_with_the_last_runs_log(tmp_path):
+    cluster, starts = crashing_cluster(tmp_path)
+    said: list[str] = []
+    try:
+        with pytest.raises(RuntimeError, match="pd-0 exited with code 3 after 3 restarts in a row") as ei:
+            await asyncio.wait_for(
+                cluster.supervise(max_restarts=3, say=said.append, interval_s=0.01, backoff_s=0.1), 20
+            )
+    finally:
+        cluster.stop()
+    assert len(starts) == 4
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    # a port briefly taken used to be retried 5 times in 2.5 s, then the whole cluster stopped
+    assert gaps[0] >= 0.1 and gaps[1] >= 0.2 and gaps[2] >= 0.4, gaps
+    assert said[0].startswith("pd-0 exited with code 3; restarting it in 0.1 s (1/3")
+    assert said[2].startswith("pd-0 exited with code 3; restarting it in 0.4 s (3/3")
+    # the log lines of the run that failed, not its predecessors' in the same file
+    assert ei.value.args[0].endswith("its last log lines:\nrun 4")
+
+
+async def test_a_crash_after_a_long_run_starts_the_count_again(tmp_path):
+    cluster, starts = crashing_cluster(tmp_path, "sleep 0.3; exit 3")
+    said: list[str] = []
+    task = asyncio.create_task(
+        cluster.supervise(max_restarts=1, say=said.append, interval_s=0.01, backoff_s=0.01, stable_s=0.2)
+    )
+    try:
+        while len(starts) < 4:  # max_restarts=1 would have stopped at the second crash
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.05)
+        assert all("(1/1" in m for m in said)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        cluster.stop()
+
+
+def test_how_it_ended_names_signals():
+    from epdq.cluster import how_it_ended
+
+    assert how_it_ended(1) == "exited with code 1"
+    assert how_it_ended(-9) == "was killed by SIGKILL"
+    assert how_it_ended(-15) == "was killed by SIGTERM"
