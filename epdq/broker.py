@@ -396,7 +396,8 @@ class Broker:
             out += render_family(f"epdq_{name}_total", "counter", name.replace("_", " "), [({}, value)])
         for name, value in sorted(s.gauges.items()):
             if not name.startswith("workers_"):
-                out += render_family(f"epdq_{name}", "gauge", name.replace("_", " "), [({}, value)])
+                metric = name.removesuffix("_s") + "_seconds" if name.endswith("_s") else name  # Prometheus units
+                out += render_family(f"epdq_{metric}", "gauge", name.replace("_", " "), [({}, value)])
         roles = ("encoder", "pd", "both")
         states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full", "draining")}
         for w in s.workers:
@@ -408,7 +409,7 @@ class Broker:
         rings = [w for w in s.workers if w.ring_capacity]
         for metric, field in (("ring_used_bytes", "ring_used"), ("ring_pinned_bytes", "ring_pinned"),
                               ("ring_capacity_bytes", "ring_capacity")):  # fmt: skip
-            out += render_family(f"epdq_{metric}", "gauge", f"encoder ring {field.replace('_', ' ')}",
+            out += render_family(f"epdq_{metric}", "gauge", f"bytes {field.removeprefix('ring_')} in each encoder's ring",
                                  [({"worker": w.worker_id}, getattr(w, field)) for w in rings])  # fmt: skip
         for h in self.hist.values():
             out += h.render()

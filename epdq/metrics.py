@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import math
 from collections.abc import Callable
 
 log = logging.getLogger("epdq.metrics")
@@ -39,7 +40,7 @@ class Histogram:
         acc = 0
         for le, c in zip(self.buckets, self.counts, strict=True):
             acc += c
-            out.append(f'{self.name}_bucket{{le="{le:g}"}} {acc}')
+            out.append(f'{self.name}_bucket{{le="{_num(le)}"}} {acc}')
         out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6f}",
                 f"{self.name}_count {self.count}"]  # fmt: skip
         return out
@@ -49,8 +50,21 @@ def render_family(name: str, kind: str, help: str, samples: list[tuple[dict[str,
     out = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
         lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        out.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+        out.append(f"{name}{{{lab}}} {_num(value)}" if lab else f"{name} {_num(value)}")
     return out
+
+
+def _num(value: float) -> str:
+    """A sample value in full: `:g` kept 6 digits, so a counter past 1e6 seemed to stand still."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
 
 
 def _escape(v: str) -> str:

@@ -63,3 +63,16 @@ async def test_idle_connections_beyond_the_cap_are_closed_at_once():
         for _, w in idle:
             w.close()
         server.close()
+
+
+def test_sample_values_keep_every_digit():
+    # `:g` kept six significant digits: a counter past 1e6 seemed to stand still, ring bytes read 2.68435e+08
+    from epdq.metrics import Histogram, render_family
+
+    lines = render_family("x_total", "counter", "x", [({}, 1234567), ({"w": "a"}, 1234569.0), ({"w": "b"}, 0.125)])
+    assert lines[2:] == ["x_total 1234567", 'x_total{w="a"} 1234569', 'x_total{w="b"} 0.125']
+    assert render_family("y", "gauge", "y", [({}, 268435456)])[-1] == "y 268435456"
+    assert render_family("z", "gauge", "z", [({}, float("inf")), ({}, float("nan"))])[2:] == ["z +Inf", "z NaN"]
+    h = Histogram("h_seconds", "h", (0.005, 2.5, 1e7))
+    h.observe(3.0)
+    assert 'h_seconds_bucket{le="10000000"} 1' in h.render()
