@@ -269,7 +269,7 @@ def generate(
     seed: int = typer.Option(None),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     route: str = typer.Option("auto", help="auto (E->PD when encoders and PD workers exist), epd or colocated."),
-    timeout: float = typer.Option(120.0),
+    timeout: float = typer.Option(None, help="Deadline in seconds (default: the broker's --timeout, 120 s)."),
     stream: bool = typer.Option(True, help="Print tokens as they arrive."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
@@ -379,7 +379,7 @@ def serve_http(
         False, help="With --allow-remote-urls: also from loopback, private and link-local addresses."
     ),
     max_body_mb: float = typer.Option(32.0),
-    timeout: float = typer.Option(120.0, help="Default request deadline, seconds."),
+    timeout: float = typer.Option(0.0, help="Request deadline, seconds (0: the broker's --timeout, 120 s)."),
     default_max_tokens: int = typer.Option(
         0, help="max_tokens of a request that names none; 0: as many as fit in the context (as vLLM)."
     ),

@@ -354,8 +354,9 @@ def sampling_kwargs(req: ChatCompletionRequest, cfg: GatewayConfig) -> dict[str,
         "max_tokens": max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "timeout": cfg.request_timeout_s,
     }
+    if cfg.request_timeout_s:
+        kw["timeout"] = cfg.request_timeout_s  # else the client's default: the broker's --timeout
     if req.seed is not None:
         kw["seed"] = req.seed
     if req.stop is not None:

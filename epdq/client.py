@@ -85,7 +85,7 @@ class AsyncClient:
         self,
         address: str,
         *,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         heartbeat_s: float = 1.0,
         liveness: int = 5,
         keys_dir: str = "",
@@ -96,7 +96,7 @@ class AsyncClient:
         """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
         made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
         loopback only. ipc:// needs neither."""
-        if not (_is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        if timeout is not None and not (_is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {timeout!r:.40}")
         if not (_is_number(heartbeat_s) and heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be a number of seconds > 0, not {heartbeat_s!r:.40}")
@@ -402,13 +402,14 @@ class AsyncClient:
             timeout = self.timeout
         elif not _is_number(timeout):
             raise InvalidInputError("timeout must be a number of seconds")
-        if not 0 < timeout <= MAX_TIMEOUT_S:
+        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
             raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
         if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
             raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
         sampling = _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos)
         rid = f"{self._rid_prefix}{next(self._rids):x}"
-        sub = P.Submit(rid, chat, sampling, timeout, len(blobs), route)
+        # 0: the broker applies its own --timeout; this client then waits as long as the broker may
+        sub = P.Submit(rid, chat, sampling, 0.0 if timeout is None else float(timeout), len(blobs), route)
         try:
             head = P.encode(sub)
         except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") in some text
@@ -421,7 +422,7 @@ class AsyncClient:
         if nbytes:
             # the broker reads our messages in order: its PONGs wait behind these bytes
             self._upload_until = max(self._upload_until, time.monotonic()) + nbytes / _SLOWEST_LINK_BPS
-        return rid, head + blobs, nbytes < _ZERO_COPY_BYTES, float(timeout)
+        return rid, head + blobs, nbytes < _ZERO_COPY_BYTES, MAX_TIMEOUT_S if timeout is None else float(timeout)
 
     async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
         ch = self._require_channel()

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
+from epdq.client import MAX_TIMEOUT_S
 from epdq.errors import BrokerUnavailableError, ConfigError, EpdqError
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
@@ -49,7 +50,7 @@ class GatewayConfig:
     allow_private_urls: bool = False  # ... also from loopback, private and link-local addresses
     max_body_bytes: int = 32 * 2**20
     max_image_bytes: int = 20 * 2**20  # local files and remote downloads
-    request_timeout_s: float = 120.0  # the deadline handed to the broker per request
+    request_timeout_s: float = 0.0  # the deadline handed to the broker per request; 0: the broker's --timeout
     # max_tokens for a request that names none; 0: as many as fit in the model's context (the
     # engine stops there), which is what vLLM's server does
     default_max_tokens: int = 0
@@ -63,8 +64,11 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
-        if self.max_body_bytes < 1 or self.max_image_bytes < 1 or not 0 < self.request_timeout_s <= 86400:
-            raise ValueError("max_body_bytes and max_image_bytes must be > 0, request_timeout_s in (0, 86400]")
+        if self.max_body_bytes < 1 or self.max_image_bytes < 1:
+            raise ValueError("max_body_bytes and max_image_bytes must be > 0")
+        if not (isinstance(self.request_timeout_s, (int, float)) and 0 <= self.request_timeout_s <= MAX_TIMEOUT_S):
+            # the broker refuses longer deadlines: every request would fail
+            raise ValueError(f"request_timeout_s must be in [0, {MAX_TIMEOUT_S:g}] s (0: the broker's --timeout)")
         if not (0 < self.remote_timeout_s <= 600 and 0 <= self.stream_prime_s <= 600):
             raise ValueError("remote_timeout_s must be in (0, 600] and stream_prime_s in [0, 600]")
         if not 0 <= self.default_max_tokens <= MAX_TOKENS_LIMIT:
@@ -191,7 +195,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         client = AsyncClient(
             config.broker_address,
-            timeout=config.request_timeout_s,
+            timeout=config.request_timeout_s or None,
             keys_dir=config.keys_dir,
             insecure=config.insecure,
         )

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from epdq import AsyncClient, BrokerUnavailableError, BusyError, InvalidInputError
+from epdq import AsyncClient, BrokerUnavailableError, BusyError, DeadlineExceededError, InvalidInputError
 from epdq.broker import BrokerConfig
 from epdq.cluster import Cluster, kill_child
 from epdq.demo import demo_image
@@ -48,6 +48,22 @@ async def test_backpressure_gate_answers_busy(tmp_path):
         queued.cancel()
         await asyncio.gather(running, queued, return_exceptions=True)
         await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0)
+
+
+async def test_the_brokers_timeout_is_the_default_deadline(tmp_path):
+    """`epdq broker --timeout` used to have no effect: every client sent its own 120 s."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(default_timeout_s=1.0),
+        worker_defaults={"engine": "noop", "noop_token_s": 30.0},
+    )  # fmt: skip
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as c:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="deadline"):
+            await asyncio.wait_for(c.generate("slow", max_tokens=2), 20)
+        assert time.monotonic() - t0 < 5
+        # a request's own timeout still wins
+        with pytest.raises(DeadlineExceededError):
+            await asyncio.wait_for(c.generate("slow", max_tokens=2, timeout=0.5), 20)
 
 
 async def test_a_cancelled_request_is_forgotten_while_its_client_stays(tmp_path):
