@@ -32,7 +32,7 @@ from epdq.errors import (
 from epdq.handshake import HandshakeWatch, watch_if_curve
 from epdq.keys import security_for
 from epdq.media import decode_data_url, is_pil_image, load_image_bytes
-from epdq.security import SecurityConfig
+from epdq.security import SecurityConfig, curve_required
 from epdq.transport import Channel, endpoint_problem, make_socket
 
 log = logging.getLogger("epdq.client")
@@ -124,7 +124,8 @@ class AsyncClient:
         self._rids = itertools.count(1)
         try:
             self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
-        except InvalidInputError as e:  # the client's own settings (keys), not a request's input
+            curve_required(address, self._security)  # plaintext off loopback: said now, not at connect
+        except EpdqError as e:  # the client's own settings (keys), not a request's input
             raise ConfigError(e.message) from None
 
     async def __aenter__(self) -> AsyncClient:

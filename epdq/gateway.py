@@ -446,6 +446,11 @@ def run(config: GatewayConfig) -> None:
     from epdq.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    from epdq.client import AsyncClient
+
+    # the broker address and keys, checked now: the app builds its client only once uvicorn runs,
+    # where a ConfigError became a traceback and exit 3
+    AsyncClient(config.broker_address, keys_dir=config.keys_dir, insecure=config.insecure)
     sock = bind_socket(config.host, config.port)
     try:
         import uvloop

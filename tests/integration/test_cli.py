@@ -403,6 +403,14 @@ def test_serve_http_on_a_taken_port_is_one_line_and_sigterm_exits_0(tmp_path, un
         busy.close()
     assert r.returncode == 2 and "error (config): cannot serve HTTP on 127.0.0.1:" in r.stderr, r.stderr
     assert "startup complete" not in r.stderr
+    for argv, message in (  # these were a traceback after "startup complete", and exit 3
+        (["--broker", "foo"], "address must look like"),
+        (["--broker", "tcp://10.1.2.3:7841", "--insecure"], "not a loopback address"),
+    ):
+        r = subprocess.run([*EPDQ, "serve-http", *argv, "--port", str(unused_tcp_port)], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and "error (config): " in r.stderr and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
     gw = subprocess.Popen([*base, "--port", str(unused_tcp_port)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -73,6 +73,8 @@ def test_one_image_may_be_given_bare(client):
     [
         ((None,), {}, ConfigError, "address must be a string"),
         (("bogus",), {}, ConfigError, "address must look like"),
+        # plaintext off this host: refused at construction, where it used to surface only at connect
+        (("tcp://10.1.2.3:7700",), dict(insecure=True), ConfigError, "not a loopback address"),
         (("ipc:///x",), dict(liveness="5"), ValueError, "liveness must be an integer"),
         (("ipc:///x",), dict(timeout=0), ValueError, r"timeout must be a number of seconds in \(0, 3600\]"),
         (("ipc:///x",), dict(heartbeat_s=-1), ValueError, "heartbeat_s must be"),
@@ -92,3 +94,6 @@ def test_good_arguments_make_a_decodable_submit(client):
     assert isinstance(msg, P.Submit) and msg.request_id == rid and payload == []
     assert msg.sampling == P.Sampling(3, 1.0, 0.5, -(2**63), ["\n"], True)
     assert timeout == 2.0 and type(timeout) is float
+    # no timeout: 0 on the wire, so the broker applies its own --timeout
+    _, frames, _, _ = client._prepare("hi")
+    assert P.decode(frames)[0].timeout_s == 0.0
