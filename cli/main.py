@@ -323,7 +323,13 @@ def demo(
     """Start a cluster, send several multimodal requests, print outputs, TTFT and cache stats, stop."""
     from epdq.demo import run_demo
 
-    ok = asyncio.run(run_demo(address=address, model=model, compare=compare, out=typer.echo))
+    try:
+        ok = asyncio.run(run_demo(address=address, model=model, compare=compare, out=typer.echo))
+    except ValueError as e:  # the cluster's settings (ClusterSpec)
+        raise typer.BadParameter(_flag_names(str(e))) from None
+    except (RuntimeError, TimeoutError) as e:  # a process that failed to start: its log lines say why
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     raise typer.Exit(0 if ok else 1)
 
 

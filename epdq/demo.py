@@ -50,7 +50,11 @@ async def run_demo(
     cluster = Cluster(spec)
     t0 = time.monotonic()
     out(f"epdq demo: starting broker, 1 encoder, 1 PD worker{' and 1 colocated worker' if compare else ''}")
-    await cluster.start(progress=lambda m: out(f"  {m}"))
+    try:
+        await cluster.start(progress=lambda m: out(f"  {m}"))
+    except BaseException:
+        cluster.stop(now=True)  # what did start must not outlive a failed start
+        raise
     out(f"cluster ready in {time.monotonic() - t0:.1f}s at {address}\n")
     all_equal = True
     try:

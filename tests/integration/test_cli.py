@@ -252,6 +252,8 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
             (["worker", "--role", "encoder", "--model", str(tmp_path / "no-processor")], "has no preprocessor_config.json"),
             (["up", "--address", f"ipc://{ipc_path}", "--log-dir", str(tmp_path / "logs"), "--encoders", "0",
               "--pds", "0", "--both", "1"], "another process is listening there"),  # fmt: skip
+            # `epdq demo` used to end these with an 88-line traceback
+            (["demo", "--address", f"ipc://{ipc_path}"], "another process is listening there"),
             # before anything starts (it used to start the broker, then report a worker's exit code)
             (["up", "--address", f"ipc://{tmp_path}/sock/up.sock", "--log-dir", str(tmp_path / "logs"),
               "--model", str(tmp_path / "llama")], "error (config): "),  # fmt: skip
@@ -306,12 +308,13 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
         (["--drain-timeout", "-1"], "--drain-timeout must be in [0, 3600]"),
         (["worker", "--role", "pd", "--drain-timeout", "7200"], "--drain-timeout must be in [0, 3600]"),
         (["up", "--drain-timeout", "-5"], "--drain-timeout must be in [0, 3600]"),
+        (["demo", "--address", "foo"], "address must look like"),  # was a traceback
     ],
 )
 def test_bad_broker_worker_and_up_settings_are_usage_errors(argv, message, tmp_path):
-    command = argv[0] if argv[0] in ("worker", "up") else "broker"
+    command = argv[0] if argv[0] in ("worker", "up", "demo") else "broker"
     argv = argv[1:] if command != "broker" else argv
-    address = [] if command == "worker" else ["--address", f"ipc://{tmp_path}/b.sock"]
+    address = [] if command == "worker" or "--address" in argv else ["--address", f"ipc://{tmp_path}/b.sock"]
     r = subprocess.run([*EPDQ, command, *address, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Invalid value" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
     assert message in " ".join(r.stderr.replace("│", " ").split())  # the box may wrap the line
