@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from epdq.errors import ConfigError, EpdqError, InvalidInputError
+from epdq.errors import ConfigError, EngineError, EpdqError, InvalidInputError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Encoder-disaggregated VLM serving over ZeroMQ."
@@ -170,7 +170,11 @@ def worker(
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
         raise typer.BadParameter(_flag_names(str(e))) from None
-    _run(serve_worker(cfg))
+    try:
+        _run(serve_worker(cfg))
+    except EngineError as e:  # its engine died: status 1 for the supervisor (README), as under `epdq up`
+        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
