@@ -189,7 +189,7 @@ class Broker:
             if self._metrics is not None:
                 self._metrics.close()
             for peer in list(self.workers.values()):
-                self._send(peer.identity, P.Bye("broker shutting down"))
+                self._send(peer.identity, P.Bye(P.BYE_SHUTTING_DOWN))
             # linger: the BYEs must leave (a draining worker then stops waiting for us at once)
             self.channel.close(linger_ms=200)
             auth = authenticator_for(self._ctx)

@@ -232,6 +232,9 @@ class Bye(_S):
     refused: bool = False  # broker -> worker: this registration can never succeed (do not retry)
 
 
+BYE_SHUTTING_DOWN = "broker shutting down"  # a broker's farewell: its successor will want a REGISTER
+
+
 class Drain(_S):
     reason: str = ""
 

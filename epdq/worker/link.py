@@ -135,6 +135,13 @@ class BrokerLink:
         elif isinstance(msg, P.Bye):
             if self.refused:
                 return
+            if msg.reason == P.BYE_SHUTTING_DOWN:
+                # A REGISTER now would reach only the broker that is leaving, and then hold back the
+                # one its successor asks for by up to 5 heartbeats (below): wait for that one.
+                log.warning("the broker is shutting down; registering again with the next one")
+                self.registered.clear()
+                self._register_sent = -1e9
+                return
             # Heartbeats queued while the broker was down reach a new broker together, and each
             # gets a BYE: one REGISTER answers them all (each further one would make the broker
             # drop this worker, and what it had just sent it, and register it again).

@@ -103,3 +103,20 @@ async def test_a_shorter_interval_from_the_broker_applies_at_once(broker):
         sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.1))])
         beats = [m for _, m in await recv_all(sock, 0.6) if isinstance(m, P.Heartbeat)]
         assert len(beats) >= 3, beats
+
+
+async def test_after_a_brokers_farewell_its_successor_gets_a_register_at_once(broker):
+    """A REGISTER sent on the old broker's shutdown BYE was lost with it, and the successor's
+    "register again" was then ignored for 5 heartbeats: ~5 s of a cluster without workers after
+    every planned broker restart."""
+    _, sock = broker
+    async with registering(broker, 0.5) as (link, ident):
+        sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.5))])
+        await asyncio.wait_for(link.registered.wait(), 5)
+        sock.send_multipart([ident, *P.encode(P.Bye(P.BYE_SHUTTING_DOWN))])
+        assert not [m for _, m in await recv_all(sock, 0.2) if isinstance(m, P.Register)]
+        assert not link.registered.is_set()
+        sock.send_multipart([ident, *P.encode(P.Bye("unknown worker: register again"))])  # the new broker
+        got = [m for _, m in await recv_all(sock, 0.2) if isinstance(m, P.Register)]
+        assert len(got) == 1
+
