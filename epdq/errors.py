@@ -83,6 +83,14 @@ class StaleEmbeddingError(EpdqError):
     retryable = True
 
 
+class FetchFailedError(StaleEmbeddingError):
+    """A PD worker could not fetch an embedding from an encoder on another node (no answer, or the
+    link refused): the broker re-encodes it a few times (it may land on a reachable encoder), then
+    fails the request as `WorkerLostError` naming the endpoint."""
+
+    code = "fetch_failed"
+
+
 class RingFullError(InvalidInputError):
     """An image's embedding is larger than the encoders' ring: a smaller image, or encoders with a
     larger --ring-mb (an InvalidInputError: the same request fails the same way again)."""
@@ -115,6 +123,7 @@ _BY_CODE: dict[str, type[EpdqError]] = {
         EngineError,
         ProtocolError,
         StaleEmbeddingError,
+        FetchFailedError,
         RingFullError,
         ConfigError,
         InternalError,

@@ -77,6 +77,7 @@ class Request:
     streamed: bool = False
     attempts: int = 0
     stale_reads: int = 0  # PD reads that found an entry replaced (ring pressure, not a failure)
+    fetch_failures: int = 0  # PD workers that could not reach an encoder on another node
     cache_hits: int = 0
     image_bytes: int = 0
     first_token_at: float = 0.0  # set by the broker, for TTFT / TPOT metrics

@@ -23,6 +23,7 @@ from epdq.errors import (
     CancelledError,
     DeadlineExceededError,
     EpdqError,
+    FetchFailedError,
     InvalidInputError,
     RingFullError,
     WorkerLostError,
@@ -70,11 +71,15 @@ class SchedulerConfig:
 
 
 MAX_STALE_READS = 8  # per request; then it fails as busy (the rings are too small for the load)
+# per request: an encoder that PD workers on other nodes cannot reach (a wrong --fetch-advertise, a
+# firewall) fails it after this many re-encodes (each may land on a reachable encoder)
+MAX_FETCH_FAILURES = 2
 
 COUNTERS = (
     "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
-    "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "pd_requeues", "workers_lost",
+    "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "fetch_failures", "pd_requeues",
+    "workers_lost",
     "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired", "ring_blocks", "pins_released",
 )  # fmt: skip
 
@@ -593,7 +598,15 @@ class Scheduler:
         if req is None or req.worker != worker_id:
             self.dispatch()
             return
-        if stale and not req.streamed and req.stale_reads < MAX_STALE_READS:
+        if code == FetchFailedError.code:
+            self.counters["fetch_failures"] += 1
+            req.fetch_failures += 1
+        if stale and not req.streamed and req.fetch_failures > MAX_FETCH_FAILURES:
+            self._finish(req, WorkerLostError(
+                f"PD workers could not fetch its embeddings from another node {req.fetch_failures} times (last: "
+                f"{message[:300]}): check the encoders' --fetch-advertise and that PD workers can reach it"
+            ))  # fmt: skip
+        elif stale and not req.streamed and req.stale_reads < MAX_STALE_READS:
             # a ring under pressure, not a failing worker: retried apart from max_pd_attempts
             self.counters["stale_reads"] += 1
             req.stale_reads += 1

@@ -20,7 +20,14 @@ import zmq
 
 from epdq import protocol as P
 from epdq.engines.base import PDEngine, SamplingSpec
-from epdq.errors import EngineError, EpdqError, InvalidInputError, ProtocolError, StaleEmbeddingError
+from epdq.errors import (
+    EngineError,
+    EpdqError,
+    FetchFailedError,
+    InvalidInputError,
+    ProtocolError,
+    StaleEmbeddingError,
+)
 from epdq.keys import own_public_key
 from epdq.media import decode_image
 from epdq.ring import RingReader
@@ -83,13 +90,21 @@ class RemoteFetcher:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[nonce] = fut
         try:
-            self._channel(ref.fetch_endpoint).send(
-                P.encode(P.Fetch(nonce, ref.key, ref.generation, ref.offset, ref.nbytes))
-            )
+            ch = self._channel(ref.fetch_endpoint)
+            try:
+                ch.send(P.encode(P.Fetch(nonce, ref.key, ref.generation, ref.offset, ref.nbytes)))
+            except zmq.ZMQError as e:  # e.g. EAGAIN once ZeroMQ gave the link up (a refused CURVE key)
+                self._channels.pop(ref.fetch_endpoint, None)
+                ch.close()  # the next fetch connects afresh
+                raise FetchFailedError(
+                    f"cannot send a fetch to encoder {ref.encoder_id} at {ref.fetch_endpoint}: {e}"
+                ) from None
             async with asyncio.timeout(self.timeout_s):
                 msg, payload = await fut
         except TimeoutError:
-            raise StaleEmbeddingError(f"encoder {ref.encoder_id} did not answer a fetch") from None
+            raise FetchFailedError(
+                f"encoder {ref.encoder_id} at {ref.fetch_endpoint} did not answer a fetch within {self.timeout_s:g} s"
+            ) from None
         finally:
             self._waiters.pop(nonce, None)
         if msg.code:

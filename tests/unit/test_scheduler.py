@@ -646,3 +646,22 @@ def test_stale_reads_are_retried_apart_from_pd_attempts_then_fail_as_busy(clock)
     (fail,) = of(acts, Fail)
     assert gen == 9 and s.counters["stale_reads"] == 8
     assert isinstance(fail.error, BusyError) and "rings are too small" in fail.error.message
+
+
+def test_an_encoder_pd_workers_cannot_reach_fails_its_requests_as_worker_lost(clock):
+    # a wrong --fetch-advertise used to cost 8 re-encodes of 10 s each, then a BusyError blaming
+    # the rings' size, and no warning in the broker's log
+    s = make(clock)
+    acts = submit(s, "r1", [K(1)])
+    for gen in range(1, 20):
+        (enc,) = of(acts, SendEncode)
+        (pre,) = of(finish_encode(s, enc, gen=gen), SendPrefill)
+        s.on_pd_failed(pre.worker_id, "r1", "fetch_failed", "encoder enc-0 at tcp://10.9.9.9:1 did not answer",
+                       [EntryId(K(1), gen)])  # fmt: skip
+        acts = s.take_actions()
+        if of(acts, Fail):
+            break
+    (fail,) = of(acts, Fail)
+    assert gen == 3 and s.counters["fetch_failures"] == 3 and s.counters["stale_reads"] == 2
+    assert isinstance(fail.error, WorkerLostError)
+    assert "tcp://10.9.9.9:1" in fail.error.message and "--fetch-advertise" in fail.error.message
