@@ -307,6 +307,8 @@ class Broker:
         except EpdqError as e:
             if isinstance(e, InvalidInputError):
                 self.counters["invalid_requests"] += 1
+            elif isinstance(e, BusyError):  # refused while draining (the scheduler counts its own)
+                self.scheduler.counters["busy_rejections"] += 1
             if self.cfg.log_requests:
                 self._log_failed(rid[:128], e, None)
             self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))

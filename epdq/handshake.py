@@ -1,9 +1,16 @@
-"""What became of a CURVE client socket's handshakes with the broker.
+"""What became of a client socket's handshakes with the broker.
 
-A broker that refuses a key, or a client holding the wrong broker public key, looks from the
-client like a broker that never answers: ZeroMQ drops the connection inside its I/O thread and
-retries. Its socket monitor does say why, and `HandshakeWatch` turns that into a sentence, so a
-key problem is reported as one instead of as "broker silent".
+A broker that refuses a key, a client holding the wrong broker public key, or a client and a
+broker of which one uses CURVE and the other plaintext (--insecure) all look from the client like a
+broker that never answers: ZeroMQ drops the connection inside its I/O thread. Its socket monitor
+does say why, and `HandshakeWatch` turns that into a sentence, so a key problem is reported as one
+instead of as "broker silent".
+
+What libzmq 4.3 reports to the connecting side (tests/integration/test_auth.py checks each):
+key not in the allow-list: HANDSHAKE_FAILED_AUTH, and it does not reconnect; wrong broker public
+key: HANDSHAKE_FAILED_NO_DETAIL, reconnecting every 100 ms; CURVE client and plaintext broker, or
+the other way round: HANDSHAKE_FAILED_PROTOCOL with ZMTP_MECHANISM_MISMATCH, and it does not
+reconnect.
 """
 
 from __future__ import annotations
@@ -36,10 +43,22 @@ FAILED = (
     "the CURVE handshake with the broker failed: the broker's public key this {who} holds is "
     "probably not the broker's (broker.key must come from the broker's keys directory)"
 )
+BROKER_PLAINTEXT = (
+    "the broker does not use CURVE (it runs with --insecure, in plaintext) while this {who} does: "
+    "give this {who} --insecure too (loopback only), or start the broker with the cluster's keys (--keys-dir)"
+)
+BROKER_CURVE = (
+    "the broker uses CURVE while this {who} speaks plaintext (--insecure): drop --insecure and give this "
+    "{who} the cluster's keys ({who}.key_secret and broker.key, from `epdq keygen`; --keys-dir)"
+)
 
 
 def is_curve_client(sock: zmq.Socket) -> bool:
     return sock.getsockopt(zmq.MECHANISM) == zmq.CURVE and not sock.getsockopt(zmq.CURVE_SERVER)
+
+
+def _is_client(sock: zmq.Socket) -> bool:
+    return is_curve_client(sock) or sock.getsockopt(zmq.MECHANISM) == zmq.NULL
 
 
 class HandshakeWatch:
@@ -49,7 +68,10 @@ class HandshakeWatch:
     def __init__(self, sock: zmq.Socket, who: str, on_refused: Callable[[str], None] | None = None):
         self.who = who
         self.problem = ""
-        self.refused = False  # the broker said no to our key (it will not change by retrying)
+        # ZeroMQ gave this connection up, for a reason retrying will not fix: the broker refused our
+        # key, or one side uses CURVE and the other does not
+        self.refused = False
+        self._curve = is_curve_client(sock)
         self._on_refused = on_refused
         addr = f"inproc://epdq-handshake-{next(_ids)}-{id(self):x}"
         sock.monitor(addr, _EVENTS)
@@ -60,17 +82,26 @@ class HandshakeWatch:
         self._channel.start()
 
     def _on_event(self, frames: list[Any]) -> None:
-        event = parse_monitor_message(frames)["event"]
+        msg = parse_monitor_message(frames)
+        event = msg["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.problem, self.refused = "", False
             return
-        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        mismatch = (
+            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            and msg["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        )
+        if mismatch:
+            problem = (BROKER_PLAINTEXT if self._curve else BROKER_CURVE).format(who=self.who)
+        elif not self._curve:
+            return  # plaintext has no keys to get wrong; whatever else this is, silence will tell
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             problem = REFUSED.format(who=self.who)
         else:
             problem = FAILED.format(who=self.who)
         if problem != self.problem:
             log.error("%s", problem, extra={"event": "curve_handshake_failed"})
-        self.problem, self.refused = problem, event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        self.problem, self.refused = problem, mismatch or event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         if self.refused and self._on_refused is not None:
             self._on_refused(problem)
 
@@ -79,6 +110,12 @@ class HandshakeWatch:
         self._channel.close()
 
 
-def watch_if_curve(sock: zmq.Socket, who: str, on_refused: Callable[[str], None] | None = None) -> HandshakeWatch | None:
-    """A watch on `sock` when it is a CURVE client (tcp to a broker), else None."""
-    return HandshakeWatch(sock, who, on_refused) if is_curve_client(sock) else None
+def watch_client(
+    sock: zmq.Socket, who: str, on_refused: Callable[[str], None] | None = None
+) -> HandshakeWatch | None:
+    """A watch on `sock` when it connects to a broker as a CURVE or a plaintext client, else None.
+    Plaintext ones too: a CURVE broker answers them only with a mechanism mismatch."""
+    return HandshakeWatch(sock, who, on_refused) if _is_client(sock) else None
+
+
+watch_if_curve = watch_client  # the old name: plaintext clients are watched too now

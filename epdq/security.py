@@ -12,6 +12,9 @@ libzmq lets a CURVE server admit *any* client key when no ZAP handler is bound o
 refuses while a server socket it guards is still open.
 
 Key files use the ZeroMQ certificate text format, which `zmq.auth.load_certificate` and czmq read.
+
+Every problem found here (a key file, an allow directory, an address that would need keys) is a
+setting of this process, so it is a `ConfigError`: the CLI prints it as `error (config): ...`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from epdq.errors import InternalError, InvalidInputError
+from epdq.errors import ConfigError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ def _z85_key(key: bytes, what: str) -> bytes:
             return bytes(key)
     except (ValueError, KeyError, TypeError, IndexError):
         pass
-    raise InvalidInputError(f"{what} is not a 40-character z85 CURVE key")
+    raise ConfigError(f"{what} is not a 40-character z85 CURVE key")
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,7 +60,7 @@ class KeyPair:
     def __post_init__(self) -> None:
         _z85_key(self.public, "public key")
         if zmq.curve_public(_z85_key(self.secret, "secret key")) != self.public:
-            raise InvalidInputError("public key does not belong to the secret key")
+            raise ConfigError("public key does not belong to the secret key")
 
 
 # ------------------------------------------------------------------ key files
@@ -76,17 +79,17 @@ def _cert_text(name: str, public: bytes, secret: bytes | None) -> str:
 def generate_keypair(directory: str | Path, name: str, *, overwrite: bool = False) -> tuple[Path, Path]:
     """Write `<name>.key` (public, 0644) and `<name>.key_secret` (both keys, 0600); return (public, secret)."""
     if not _NAME.fullmatch(name):
-        raise InvalidInputError(f"key name {name!r}: 1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'")
+        raise ConfigError(f"key name {name!r}: 1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'")
     directory = Path(directory)
     if not directory.exists():
         directory.mkdir(mode=0o700, parents=True)
         directory.chmod(0o700)  # mkdir's mode is filtered by the umask
     elif not directory.is_dir():
-        raise InvalidInputError(f"{directory} is not a directory")
+        raise ConfigError(f"{directory} is not a directory")
     pub_path, sec_path = directory / f"{name}.key", directory / f"{name}.key_secret"
     existing = [p for p in (pub_path, sec_path) if p.exists() or p.is_symlink()]
     if existing and not overwrite:
-        raise InvalidInputError(f"{existing[0]} already exists; pass overwrite=True to replace the key pair")
+        raise ConfigError(f"{existing[0]} already exists; pass overwrite=True to replace the key pair")
     public, secret = zmq.curve_keypair()
     for path, text, mode in ((sec_path, _cert_text(name, public, secret), 0o600),
                              (pub_path, _cert_text(name, public, None), 0o644)):  # fmt: skip
@@ -109,22 +112,22 @@ def _read_cert(path: str | Path) -> tuple[bytes | None, bytes | None, int]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise InvalidInputError(f"key file {path} does not exist") from None
+        raise ConfigError(f"key file {path} does not exist") from None
     except OSError as e:
-        raise InvalidInputError(f"cannot open key file {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot open key file {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)  # the opened file's, so a swap after the check cannot fool it
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(f"key file {path} is not a regular file")
+            raise ConfigError(f"key file {path} is not a regular file")
         data = os.read(fd, _MAX_KEY_FILE + 1)
     finally:
         os.close(fd)
     if len(data) > _MAX_KEY_FILE:
-        raise InvalidInputError(f"key file {path} is too large to be a certificate")
+        raise ConfigError(f"key file {path} is too large to be a certificate")
     found: dict[bytes, bytes] = {}
     for m in filter(None, map(_KEY_LINE.match, data.splitlines())):
         if m.group(1) in found:
-            raise InvalidInputError(f"key file {path} has more than one {m.group(1).decode()}")
+            raise ConfigError(f"key file {path} has more than one {m.group(1).decode()}")
         found[m.group(1)] = _z85_key(m.group(2), f"{m.group(1).decode()} in {path}")
     return found.get(b"public-key"), found.get(b"secret-key"), stat.S_IMODE(st.st_mode)
 
@@ -133,21 +136,21 @@ def load_keypair(path: str | Path) -> KeyPair:
     """Read a `.key_secret` file; it must be accessible by its owner only."""
     pub, sec, mode = _read_cert(path)
     if sec is None:
-        raise InvalidInputError(f"{path} holds no secret-key (is it the public .key file?)")
+        raise ConfigError(f"{path} holds no secret-key (is it the public .key file?)")
     if mode & 0o077:
-        raise InvalidInputError(f"secret key file {path} is accessible by other users (mode {mode:o}); "
+        raise ConfigError(f"secret key file {path} is accessible by other users (mode {mode:o}); "
                                 f"run: chmod 600 {path}")  # fmt: skip
     try:
         return KeyPair(pub or zmq.curve_public(sec), sec)
-    except InvalidInputError as e:
-        raise InvalidInputError(f"{path}: {e.message}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.message}") from None
 
 
 def load_public_key(path: str | Path) -> bytes:
     """The z85 public key in a `.key` file (or a `.key_secret` one; its secret is not kept)."""
     pub, sec, _ = _read_cert(path)
     if pub is None and sec is None:
-        raise InvalidInputError(f"{path} holds no public-key")
+        raise ConfigError(f"{path} holds no public-key")
     return pub or zmq.curve_public(sec)
 
 
@@ -155,9 +158,9 @@ def load_allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
     """Public keys of every `*.key` file in `allow_dir`; one bad file fails the whole load."""
     allow_dir = Path(allow_dir)
     if not allow_dir.is_dir():
-        raise InvalidInputError(f"allow directory {allow_dir} does not exist or is not a directory")
+        raise ConfigError(f"allow directory {allow_dir} does not exist or is not a directory")
     if allow_dir.stat().st_mode & 0o022:  # whoever can write here can let themselves in
-        raise InvalidInputError(
+        raise ConfigError(
             f"allow directory {allow_dir} is writable by others; run: chmod go-w {allow_dir}"
         )
     return frozenset(load_public_key(p) for p in sorted(allow_dir.glob("*.key")) if p.is_file())
@@ -169,15 +172,22 @@ def load_allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
 @dataclass(slots=True)
 class CurveServer:
     keypair: KeyPair
-    allow_dir: Path  # required: without an allow-list a server would admit every key
+    allow_dir: Path | None  # the admitted keys' files; or None with `allowed_keys`
     domain: str = DEFAULT_DOMAIN  # ZAP domain: servers sharing a context with different allow-lists differ
+    allowed_keys: frozenset[bytes] | None = None  # a fixed list, for servers whose peers hold a known key
 
     def __post_init__(self) -> None:
-        self.allow_dir = Path(self.allow_dir)
-        if not self.allow_dir.is_dir():
-            raise InvalidInputError(f"allow directory {self.allow_dir} does not exist or is not a directory")
+        # exactly one list: without any a server would admit every key
+        if (self.allow_dir is None) == (self.allowed_keys is None):
+            raise ConfigError("a CURVE server needs either an allow directory or a list of allowed keys")
+        if self.allow_dir is not None:
+            self.allow_dir = Path(self.allow_dir)
+            if not self.allow_dir.is_dir():
+                raise ConfigError(f"allow directory {self.allow_dir} does not exist or is not a directory")
+        else:
+            self.allowed_keys = frozenset(_z85_key(k, "allowed key") for k in self.allowed_keys)
         if not 0 < len(self.domain) <= 254 or not self.domain.isascii():
-            raise InvalidInputError("ZAP domain must be 1-254 ASCII characters")
+            raise ConfigError("ZAP domain must be 1-254 ASCII characters")
 
 
 @dataclass(slots=True)
@@ -194,35 +204,47 @@ class SecurityConfig:
     mode: str = "none"  # "curve" | "none"
     secret_key: Path | None = None  # own .key_secret (servers and clients)
     server_key: Path | None = None  # the broker's .key (clients, workers)
-    allow_dir: Path | None = None  # allowed .key files (broker; encoders for their fetch socket)
+    allow_dir: Path | None = None  # allowed .key files (the broker)
     insecure_ok: bool = False  # plaintext tcp on loopback; never anything else
+    # A server without allow_dir admits only peers holding this process's own key pair: workers.
+    # Encoders serve fetches to PD workers, which connect with the same worker key pair (they pin it
+    # as the encoder's key), so a worker needs no allow-list of its own.
+    admit_own_key: bool = False
+    keys_dir: Path | None = None  # where keys were looked for; only to say so in messages
 
     def __post_init__(self) -> None:
         if self.mode not in ("curve", "none"):
-            raise InvalidInputError(f"security mode must be 'curve' or 'none', not {self.mode!r}")
+            raise ConfigError(f"security mode must be 'curve' or 'none', not {self.mode!r}")
         for name, want_dir in (("secret_key", False), ("server_key", False), ("allow_dir", True)):
             value = getattr(self, name)
             if value is None:
                 continue
             if self.mode == "none":  # keys without CURVE would look secure and not be
-                raise InvalidInputError(f"{name} given but security mode is 'none'; use mode 'curve'")
+                raise ConfigError(f"{name} given but security mode is 'none'; use mode 'curve'")
             value = Path(value)
             if not (value.is_dir() if want_dir else value.is_file()):
                 kind = "directory" if want_dir else "file"
-                raise InvalidInputError(f"{name} {value} does not exist or is not a {kind}")
+                raise ConfigError(f"{name} {value} does not exist or is not a {kind}")
             setattr(self, name, value)
         if self.mode == "curve" and self.secret_key is None:
-            raise InvalidInputError("security mode 'curve' needs secret_key (see generate_keypair)")
+            raise ConfigError("security mode 'curve' needs secret_key (see generate_keypair)")
 
-    def server(self, domain: str = DEFAULT_DOMAIN) -> CurveServer:
-        if self.secret_key is None or self.allow_dir is None:
-            raise InvalidInputError("a CURVE server needs secret_key and allow_dir")
-        return CurveServer(load_keypair(self.secret_key), self.allow_dir, domain)
+    def server(self, domain: str | None = None) -> CurveServer:
+        if self.secret_key is not None and self.allow_dir is not None:
+            return CurveServer(load_keypair(self.secret_key), self.allow_dir, domain or DEFAULT_DOMAIN)
+        if self.secret_key is not None and self.admit_own_key:
+            pair = load_keypair(self.secret_key)
+            # a domain of its own: in a process that also runs a broker its allow-list stays apart
+            return CurveServer(pair, None, domain or f"{DEFAULT_DOMAIN}-own-{pair.public.decode()}",
+                               allowed_keys=frozenset((pair.public,)))  # fmt: skip
+        where = f"{self.keys_dir}/allowed" if self.keys_dir else "an allow directory (allow_dir)"
+        raise ConfigError(f"a CURVE server needs {where}: run `epdq keygen` on the keys directory and pass it "
+                          "with --keys-dir")  # fmt: skip
 
     def client(self, server_public: bytes | None = None) -> CurveClient:
         """`server_public` overrides `server_key`, e.g. an encoder's key learned over the broker link."""
         if self.secret_key is None or (server_public is None and self.server_key is None):
-            raise InvalidInputError("a CURVE client needs secret_key and server_key")
+            raise ConfigError("a CURVE client needs secret_key and server_key")
         return CurveClient(load_keypair(self.secret_key), server_public or load_public_key(self.server_key))
 
 
@@ -241,17 +263,26 @@ def check_plaintext_allowed(address: str, config: SecurityConfig) -> None:
     """Raise unless a link at `address` may run without CURVE."""
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in ("tcp", "ipc", "inproc"):
-        raise InvalidInputError(f"unsupported endpoint {address!r}: use tcp://, ipc:// or inproc://")
+        raise ConfigError(f"unsupported endpoint {address!r}: use tcp://, ipc:// or inproc://")
     if scheme == "inproc" or (scheme == "ipc" and not rest.startswith("@")):
         return  # ipc files live in a 0700 directory; inproc never leaves the process
     # abstract ipc names (ipc://@x) have no permissions: any local user may connect, as on loopback
     host = "localhost" if scheme == "ipc" else rest.rpartition(";")[2].rpartition(":")[0]  # [src;]host:port
+    if config.mode == "curve":  # curve_required covers tcp: only a direct call gets here
+        raise ConfigError(f"plaintext on {address} is not allowed: this process has CURVE keys")
     if not _is_loopback(host):
-        raise InvalidInputError(f"{address} is not a loopback address: tcp links off this host must use "
-                                "CURVE (security mode 'curve' with key files)")  # fmt: skip
-    if not (config.mode == "none" and config.insecure_ok):
-        raise InvalidInputError(f"plaintext on {address} needs the explicit insecure option; "
-                                "otherwise use CURVE or ipc://")  # fmt: skip
+        raise ConfigError(f"{address} is not a loopback address: tcp off this host must use CURVE (--insecure "
+                          f"allows plaintext only on loopback); {_keys_hint(config)}, or use ipc:// on one host")
+    if not config.insecure_ok:
+        raise ConfigError(f"plaintext on {address} needs --insecure (insecure=True in Python), which loopback "
+                          f"alone allows; for CURVE instead {_keys_hint(config)}, or use ipc://")
+
+
+def _keys_hint(config: SecurityConfig) -> str:
+    if config.insecure_ok:
+        return "run `epdq keygen` and pass its directory with --keys-dir instead of --insecure"
+    missing = f" (there are no keys in {config.keys_dir})" if config.keys_dir else ""
+    return f"run `epdq keygen`{missing} or pass the cluster's keys directory with --keys-dir"
 
 
 def curve_required(address: str, config: SecurityConfig) -> bool:
@@ -269,7 +300,7 @@ class _AllowList:
     """Per-domain key sets checked on the ZAP thread; `reload` swaps whole frozensets (atomic)."""
 
     def __init__(self) -> None:
-        self.dirs: dict[str, Path] = {}
+        self.dirs: dict[str, Path | None] = {}  # None: a fixed list, not re-read by reload
         self.keys: dict[str, frozenset[bytes]] = {}
         self.denied: set[bytes] = set()  # warn once per key: a refused peer reconnects every 100 ms
 
@@ -302,9 +333,13 @@ class Authenticator:
         self._allow = _AllowList()
         self._servers: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
 
-    def start(self, ctx: zmq.Context, allow_dir: str | Path, *, domain: str = DEFAULT_DOMAIN) -> None:
-        """Guard `ctx` with the keys in `allow_dir`; before any CURVE server socket in it binds."""
-        keys = load_allowed_keys(allow_dir)  # fail before starting anything
+    def start(
+        self, ctx: zmq.Context, allow_dir: str | Path | None, *, domain: str = DEFAULT_DOMAIN,
+        keys: frozenset[bytes] | None = None,
+    ) -> None:  # fmt: skip
+        """Guard `ctx` with the keys in `allow_dir` (or exactly `keys`); before any CURVE server
+        socket in it binds."""
+        allow_dir, keys = _allow_source(allow_dir, keys)  # fail before starting anything
         with _running_lock:
             if self._zap is not None or ctx.underlying in _running:
                 raise InternalError("an Authenticator is already running (one per context, started once)")
@@ -312,27 +347,35 @@ class Authenticator:
             self._zap.start()
             self._ctx_id = ctx.underlying
             _running[self._ctx_id] = self
-        self._set(domain, Path(allow_dir), keys)
+        self._set(domain, allow_dir, keys)
 
-    def allow(self, allow_dir: str | Path, *, domain: str) -> None:
+    def allow(self, allow_dir: str | Path | None, *, domain: str, keys: frozenset[bytes] | None = None) -> None:
         """Guard another ZAP domain: a second server socket in this context with its own allow-list."""
         if self._zap is None:
             raise InternalError("Authenticator not started")
-        self._set(domain, Path(allow_dir), load_allowed_keys(allow_dir))
+        self._set(domain, *_allow_source(allow_dir, keys))
 
-    def _set(self, domain: str, allow_dir: Path, keys: frozenset[bytes]) -> None:
+    def _set(self, domain: str, allow_dir: Path | None, keys: frozenset[bytes]) -> None:
         assert self._zap is not None
         self._allow.dirs[domain], self._allow.keys[domain] = allow_dir, keys
         self._zap.configure_curve_callback(domain, self._allow)
-        log.info("CURVE allow-list for ZAP domain %r: %d keys from %s", domain, len(keys), allow_dir)
+        log.info("CURVE allow-list for ZAP domain %r: %d keys from %s", domain, len(keys),
+                 allow_dir or "this process's own key pair")  # fmt: skip
 
     def guards(self, domain: str) -> Path | None:
-        """The allow directory checked for `domain`, if this handler runs and guards it."""
+        """The allow directory checked for `domain`, if this handler runs and guards it from one."""
         return self._allow.dirs.get(domain) if self._zap is not None else None
+
+    def guarding(self, domain: str) -> bool:
+        """Whether this handler runs and checks `domain` (against a directory or a fixed list)."""
+        return self._zap is not None and domain in self._allow.keys
+
+    def keys_of(self, domain: str) -> frozenset[bytes]:
+        return self._allow.keys.get(domain, frozenset())
 
     def reload(self) -> dict[str, int]:
         """Re-read every allow directory (after adding or removing keys); on error the old lists stay."""
-        fresh = {domain: load_allowed_keys(d) for domain, d in self._allow.dirs.items()}
+        fresh = {domain: load_allowed_keys(d) for domain, d in self._allow.dirs.items() if d is not None}
         self._allow.keys.update(fresh)
         self._allow.denied.clear()
         return {domain: len(keys) for domain, keys in fresh.items()}
@@ -352,6 +395,16 @@ class Authenticator:
             _running.pop(self._ctx_id, None)
 
 
+def _allow_source(
+    allow_dir: str | Path | None, keys: frozenset[bytes] | None
+) -> tuple[Path | None, frozenset[bytes]]:
+    if (allow_dir is None) == (keys is None):
+        raise InternalError("an allow-list comes from an allow directory or a fixed set of keys: give one")
+    if allow_dir is not None:
+        return Path(allow_dir), load_allowed_keys(allow_dir)
+    return None, frozenset(keys)
+
+
 def authenticator_for(ctx: zmq.Context) -> Authenticator | None:
     with _running_lock:
         return _running.get(ctx.underlying)
@@ -362,11 +415,14 @@ def ensure_authenticator(ctx: zmq.Context, server: CurveServer) -> Authenticator
     auth = authenticator_for(ctx)
     if auth is None:
         auth = Authenticator()
-        auth.start(ctx, server.allow_dir, domain=server.domain)
-    elif (current := auth.guards(server.domain)) is None:
-        auth.allow(server.allow_dir, domain=server.domain)
-    elif current.resolve() != server.allow_dir.resolve():
-        raise InvalidInputError(f"ZAP domain {server.domain!r} already uses allow directory {current}")
+        auth.start(ctx, server.allow_dir, domain=server.domain, keys=server.allowed_keys)
+    elif not auth.guarding(server.domain):
+        auth.allow(server.allow_dir, domain=server.domain, keys=server.allowed_keys)
+    elif (current := auth.guards(server.domain)) is not None:
+        if server.allow_dir is None or current.resolve() != server.allow_dir.resolve():
+            raise ConfigError(f"ZAP domain {server.domain!r} already uses allow directory {current}")
+    elif server.allowed_keys != auth.keys_of(server.domain):
+        raise ConfigError(f"ZAP domain {server.domain!r} already admits a different list of keys")
     return auth
 
 
@@ -379,7 +435,7 @@ def apply_server(sock: zmq.Socket, server: CurveServer) -> None:
     """Make `sock` a CURVE server whose clients its context's Authenticator checks. Before bind."""
     _check_unused(sock)
     auth = authenticator_for(sock.context)
-    if auth is None or auth.guards(server.domain) is None:
+    if auth is None or not auth.guarding(server.domain):
         raise InternalError(f"no Authenticator guards ZAP domain {server.domain!r} on this socket's "
                             "context; without one libzmq admits every client key")  # fmt: skip
     sock.setsockopt(zmq.ZAP_DOMAIN, server.domain.encode())

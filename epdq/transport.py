@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import stat
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -119,15 +121,44 @@ def make_socket(
             except zmq.ZMQError as e:  # in use, no such interface: the operator's to fix
                 raise ConfigError(f"cannot listen on {bind}: {e.strerror}") from None
             if bind.startswith("ipc://") and not bind.startswith("ipc://@"):  # @ = abstract namespace
+                _remember_ipc(sock, bind[len("ipc://") :])
                 os.chmod(bind[len("ipc://") :], 0o600)
         if connect is not None:
             if before_connect is not None:
                 before_connect(sock)
             sock.connect(connect)
     except BaseException:
-        sock.close(linger=0)
+        close_socket(sock)
         raise
     return sock
+
+
+# The ipc files this process bound: ZeroMQ (4.3) never removes one, so a clean shutdown left it
+# behind. Kept by socket, with the file's identity, so that only the file this bind made goes.
+_bound_ipc: weakref.WeakKeyDictionary[zmq.Socket, tuple[str, int, int, int]] = weakref.WeakKeyDictionary()
+
+
+def _remember_ipc(sock: zmq.Socket, path: str) -> None:
+    path = os.path.abspath(path)  # a relative path must still name it after a chdir
+    st = os.lstat(path)
+    _bound_ipc[sock] = (path, st.st_dev, st.st_ino, os.getpid())
+
+
+def close_socket(sock: zmq.Socket, linger_ms: int = 0) -> None:
+    """Close `sock` and remove the ipc file it bound, if any. The file goes first: a process that
+    binds the path meanwhile makes a file of its own, which is then left alone."""
+    bound = _bound_ipc.pop(sock, None)
+    if bound is not None:
+        path, dev, ino, pid = bound
+        try:
+            st = os.lstat(path)
+            # a forked child must not remove its parent's endpoint; nor may anyone remove a file
+            # another process bound after ours was replaced
+            if pid == os.getpid() and (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
+        except OSError:
+            pass
+    sock.close(linger=linger_ms)
 
 
 def _prepare_ipc(address: str) -> None:
@@ -138,7 +169,10 @@ def _prepare_ipc(address: str) -> None:
     if path.startswith("@"):
         return
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        _makedirs_private(parent)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {address}: cannot create {parent}: {e.strerror or e}") from None
     # ZeroMQ binds an ipc path by unlinking whatever is there: a mistyped address would delete
     # the user's file, and a second broker would silently take the first one's endpoint. Only a
     # stale socket (its process gone) is replaced.
@@ -159,6 +193,81 @@ def _prepare_ipc(address: str) -> None:
     finally:
         probe.close()
     raise ConfigError(f"cannot listen on {address}: another process is listening there")
+
+
+def _makedirs_private(path: str) -> None:
+    # os.makedirs gives its mode to the last directory only: the ones made on the way would be
+    # 0755 (README promises the directory is 0700; this keeps every one we create so).
+    if os.path.isdir(path):
+        return
+    head = os.path.dirname(path)
+    if head and head != path:
+        _makedirs_private(head)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
+def remove_stale_ipc_sockets(directory: str, pattern: re.Pattern[str]) -> list[str]:
+    """Unlink the sockets in `directory` left by dead processes; returns the names removed.
+
+    Only names that fullmatch `pattern` are looked at; its group 1 is the pid that bound the file.
+    A file goes only when that pid is dead, it is a socket (never a symlink or anything else) owned
+    by this user, and nobody accepts a connection on it: a live pid may be a process between bind
+    and listen, and a pid from another pid namespace looks dead while it listens."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid or _listening(path) is not False:
+                continue
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # not replaced while we looked
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _listening(path: str) -> bool | None:
+    """Whether a process accepts connections on the Unix socket `path`; None when unknown."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a listener with a full backlog answers EAGAIN instead of stalling us
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # a name's ten digits can exceed any pid
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
@@ -359,4 +468,4 @@ class Channel:
                 self._loop.remove_reader(self._fd)
             except (ValueError, OSError):
                 pass
-        self.sock.close(linger=linger_ms)
+        close_socket(self.sock, linger_ms)

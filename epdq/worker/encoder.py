@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.media import decode_image
 from epdq.ring import KEY_BYTES, RingWriter
-from epdq.transport import Channel, bound_endpoint, make_socket
+from epdq.transport import Channel, bound_endpoint, make_socket, remove_stale_ipc_sockets
 
 log = logging.getLogger("epdq.encoder")
 
@@ -38,6 +39,9 @@ class _Job:
 
 
 RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
+# The default fetch socket's name (epdq.worker.runner.default_fetch_bind): fetch-PID-8 hex digits.
+# Encoders killed before they could remove theirs left these behind: they piled up in the directory.
+FETCH_SOCKET_NAME = re.compile(r"fetch-([0-9]{1,10})-[0-9a-f]{8}")
 
 
 class EncoderWorker:
@@ -80,12 +84,25 @@ class EncoderWorker:
         return not (self._jobs or self._blocked or self._encoding) and self.ring.pinned_bytes == 0
 
     def open_fetch_socket(self) -> str:
+        self._remove_stale_fetch_sockets()
         sock = make_socket(
             self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096, security=self._security
         )
         self._fetch = Channel(sock, self._on_fetch)
         self.fetch_endpoint = bound_endpoint(sock)
         return self.fetch_endpoint
+
+    def _remove_stale_fetch_sockets(self) -> None:
+        # only where this encoder's own socket is named that way: that directory is where the
+        # others are, and someone else's directory is not ours to tidy
+        if not self._fetch_bind.startswith("ipc://") or self._fetch_bind.startswith("ipc://@"):
+            return
+        path = self._fetch_bind[len("ipc://") :]
+        if not FETCH_SOCKET_NAME.fullmatch(os.path.basename(path)):
+            return
+        removed = remove_stale_ipc_sockets(os.path.dirname(os.path.abspath(path)), FETCH_SOCKET_NAME)
+        if removed:
+            log.info("removed %d fetch sockets left by dead encoders", len(removed))
 
     def start(self) -> None:
         if self._fetch is not None:
@@ -273,10 +290,7 @@ class EncoderWorker:
 
     def close(self) -> None:
         if self._fetch is not None:
-            self._fetch.close()
-            if self.fetch_endpoint.startswith("ipc://") and not self.fetch_endpoint.startswith("ipc://@"):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.fetch_endpoint[len("ipc://") :])
+            self._fetch.close()  # removes an ipc socket file too (transport.close_socket)
 
 
 def _as_epdq_error(e: BaseException) -> EpdqError:

@@ -9,7 +9,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from epdq.errors import InternalError, InvalidInputError
+from epdq.errors import ConfigError, InternalError
 from epdq.security import (
     Authenticator,
     CurveClient,
@@ -183,7 +183,7 @@ def test_bad_reload_keeps_the_old_list(rig):
     good = rig.key("worker-1", allowed=True)
     rig.serve()
     (rig.allow / "broken.key").write_text("public-key = garbage\n")
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(ConfigError):
         rig.auth.reload()
     sock, _ = rig.client(good)
     assert rig.roundtrip(sock, b"still") == good.public.decode()
@@ -197,7 +197,7 @@ def test_authenticator_lifecycle_guards(rig, tmp_path):
     assert ensure_authenticator(rig.ctx, rig.server) is rig.auth
     other_dir = tmp_path / "other"
     other_dir.mkdir()
-    with pytest.raises(InvalidInputError, match="already uses allow directory"):
+    with pytest.raises(ConfigError, match="already uses allow directory"):
         ensure_authenticator(rig.ctx, CurveServer(rig.server_pair, other_dir))
     # a second server in the same context with its own allow-list gets its own ZAP domain
     assert ensure_authenticator(rig.ctx, CurveServer(rig.server_pair, other_dir, domain="fetch")) is rig.auth

@@ -145,6 +145,7 @@ async def test_broker_drains_on_sigterm(tmp_path):
         with pytest.raises(BusyError, match="shutting down") as ei:  # new work is refused, typed
             await c.generate("new", max_tokens=2)
         assert ei.value.retry_after >= 1.0
+        assert (await c.stats())["counters"]["busy_rejections"] == 1  # counted like any busy answer
         results = await asyncio.gather(*streams)  # what was in flight finishes in full
         assert [len(r.token_ids) for r in results] == [MAX_TOKENS] * 2
         assert await _wait_exit(cluster, "broker", 10) == 0

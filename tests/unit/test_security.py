@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from epdq.errors import InternalError, InvalidInputError
+from epdq.errors import ConfigError, InternalError
 from epdq.security import (
     CurveClient,
     CurveServer,
@@ -53,7 +53,7 @@ def test_generate_writes_private_secret_and_public_key(keys):
 def test_generate_refuses_overwrite_unless_asked(keys):
     pub, sec = generate_keypair(keys, "w1")
     before = load_keypair(sec)
-    with pytest.raises(InvalidInputError, match="already exists"):
+    with pytest.raises(ConfigError, match="already exists"):
         generate_keypair(keys, "w1")
     assert load_keypair(sec) == before
     generate_keypair(keys, "w1", overwrite=True)
@@ -67,13 +67,13 @@ def test_generate_refuses_overwrite_unless_asked(keys):
 def test_generate_refuses_a_lone_public_file(keys):
     keys.mkdir()
     (keys / "x.key").write_text("planted")
-    with pytest.raises(InvalidInputError, match="already exists"):
+    with pytest.raises(ConfigError, match="already exists"):
         generate_keypair(keys, "x")
 
 
 @pytest.mark.parametrize("name", ["", "../up", "a/b", ".hidden", "-opt", "x" * 65])
 def test_generate_rejects_bad_names(keys, name):
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(ConfigError):
         generate_keypair(keys, name)
 
 
@@ -81,7 +81,7 @@ def test_secret_readable_by_others_is_refused(keys):
     _, sec = generate_keypair(keys, "c")
     for mode in (0o644, 0o640, 0o604, 0o660):
         sec.chmod(mode)
-        with pytest.raises(InvalidInputError, match="chmod 600"):
+        with pytest.raises(ConfigError, match="chmod 600"):
             load_keypair(sec)
     sec.chmod(0o400)
     load_keypair(sec)
@@ -89,11 +89,11 @@ def test_secret_readable_by_others_is_refused(keys):
 
 def test_load_errors_are_typed(keys, tmp_path):
     pub, sec = generate_keypair(keys, "c")
-    with pytest.raises(InvalidInputError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_keypair(keys / "missing.key_secret")
-    with pytest.raises(InvalidInputError, match="no secret-key"):
+    with pytest.raises(ConfigError, match="no secret-key"):
         load_keypair(pub)  # the public file given where the secret one belongs
-    with pytest.raises(InvalidInputError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="not a regular file"):
         load_public_key(keys)
 
     def write_secret(text: str):
@@ -112,11 +112,11 @@ def test_load_errors_are_typed(keys, tmp_path):
         "no secret-key": "garbage\n\x00\x01",
     }
     for match, text in cases.items():
-        with pytest.raises(InvalidInputError, match=match):
+        with pytest.raises(ConfigError, match=match):
             load_keypair(write_secret(text))
-    with pytest.raises(InvalidInputError, match="too large"):
+    with pytest.raises(ConfigError, match="too large"):
         load_keypair(write_secret("#" * 70_000))
-    with pytest.raises(InvalidInputError, match="no public-key"):
+    with pytest.raises(ConfigError, match="no public-key"):
         load_public_key(write_secret("metadata\n"))
 
 
@@ -135,25 +135,25 @@ def test_allow_dir_loading(tmp_path):
     (allow / "notes.txt").write_text("ignored")
     assert load_allowed_keys(allow) == {load_public_key(a)}
     (allow / "broken.key").write_text("public-key = nope\n")
-    with pytest.raises(InvalidInputError, match="z85"):
+    with pytest.raises(ConfigError, match="z85"):
         load_allowed_keys(allow)  # one bad file fails the load rather than silently shrinking the list
     (allow / "broken.key").unlink()
     allow.chmod(0o777)
-    with pytest.raises(InvalidInputError, match="writable by others"):
+    with pytest.raises(ConfigError, match="writable by others"):
         load_allowed_keys(allow)
-    with pytest.raises(InvalidInputError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_allowed_keys(tmp_path / "nope")
 
 
 def test_curve_configs_validate(tmp_path):
     pair = KeyPair(*zmq.curve_keypair())
-    with pytest.raises(InvalidInputError, match="allow directory"):
+    with pytest.raises(ConfigError, match="allow directory"):
         CurveServer(pair, tmp_path / "nope")
-    with pytest.raises(InvalidInputError, match="ZAP domain"):
+    with pytest.raises(ConfigError, match="ZAP domain"):
         CurveServer(pair, tmp_path, domain="")
-    with pytest.raises(InvalidInputError, match="server public key"):
+    with pytest.raises(ConfigError, match="server public key"):
         CurveClient(pair, b"x" * 39)
-    with pytest.raises(InvalidInputError, match="does not belong"):
+    with pytest.raises(ConfigError, match="does not belong"):
         KeyPair(zmq.curve_keypair()[0], pair.secret)
 
 
@@ -161,15 +161,15 @@ def test_security_config(tmp_path):
     pub, sec = generate_keypair(tmp_path / "k", "n")
     allow = tmp_path / "allow"
     allow.mkdir()
-    with pytest.raises(InvalidInputError, match="'curve' or 'none'"):
+    with pytest.raises(ConfigError, match="'curve' or 'none'"):
         SecurityConfig(mode="tls")
-    with pytest.raises(InvalidInputError, match="needs secret_key"):
+    with pytest.raises(ConfigError, match="needs secret_key"):
         SecurityConfig(mode="curve")
-    with pytest.raises(InvalidInputError, match="mode is 'none'"):
+    with pytest.raises(ConfigError, match="mode is 'none'"):
         SecurityConfig(mode="none", secret_key=sec)
-    with pytest.raises(InvalidInputError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         SecurityConfig(mode="curve", secret_key=tmp_path / "missing")
-    with pytest.raises(InvalidInputError, match="not a directory"):
+    with pytest.raises(ConfigError, match="not a directory"):
         SecurityConfig(mode="curve", secret_key=str(sec), allow_dir=str(sec))
     cfg = SecurityConfig(mode="curve", secret_key=str(sec), server_key=str(pub), allow_dir=str(allow))
     assert cfg.secret_key == sec and cfg.allow_dir == allow
@@ -178,9 +178,9 @@ def test_security_config(tmp_path):
     other = zmq.curve_keypair()[0]
     assert cfg.client(server_public=other).server_public == other
     only_client = SecurityConfig(mode="curve", secret_key=sec, server_key=pub)
-    with pytest.raises(InvalidInputError, match="allow_dir"):
+    with pytest.raises(ConfigError, match="allow directory"):
         only_client.server()
-    with pytest.raises(InvalidInputError, match="server_key"):
+    with pytest.raises(ConfigError, match="server_key"):
         SecurityConfig(mode="curve", secret_key=sec).client()
 
 
@@ -202,9 +202,9 @@ INSECURE = SecurityConfig(mode="none", insecure_ok=True)
 )
 def test_non_loopback_tcp_needs_curve_even_when_insecure(address):
     for cfg in (NONE, INSECURE):
-        with pytest.raises(InvalidInputError, match="must use CURVE"):
+        with pytest.raises(ConfigError, match="must use CURVE"):
             check_plaintext_allowed(address, cfg)
-        with pytest.raises(InvalidInputError):
+        with pytest.raises(ConfigError):
             curve_required(address, cfg)
 
 
@@ -220,7 +220,7 @@ def test_non_loopback_tcp_needs_curve_even_when_insecure(address):
     ],  # fmt: skip
 )
 def test_loopback_plaintext_only_with_explicit_insecure(address):
-    with pytest.raises(InvalidInputError, match="insecure"):
+    with pytest.raises(ConfigError, match="insecure"):
         check_plaintext_allowed(address, NONE)
     check_plaintext_allowed(address, INSECURE)
     assert curve_required(address, INSECURE) is False
@@ -235,15 +235,15 @@ def test_ipc_and_inproc_plaintext_ok_and_curve_only_on_tcp(tmp_path):
         assert curve_required("ipc:///run/epdq/broker", cfg) is False
     assert curve_required("tcp://0.0.0.0:7700", curve) is True
     assert curve_required("tcp://127.0.0.1:7700", curve) is True  # CURVE on loopback too when configured
-    with pytest.raises(InvalidInputError, match="plaintext on"):
+    with pytest.raises(ConfigError, match="plaintext on .* CURVE keys"):
         check_plaintext_allowed("tcp://127.0.0.1:7700", curve)
     # abstract-namespace ipc has no file permissions: treated like loopback tcp
     assert curve_required("ipc://@epdq-broker", curve) is True
-    with pytest.raises(InvalidInputError, match="insecure"):
+    with pytest.raises(ConfigError, match="insecure"):
         check_plaintext_allowed("ipc://@epdq-broker", NONE)
     assert curve_required("ipc://@epdq-broker", INSECURE) is False
     for bad in ("udp://1.2.3.4:5", "ws://127.0.0.1:80", "127.0.0.1:7700"):
-        with pytest.raises(InvalidInputError, match="unsupported endpoint"):
+        with pytest.raises(ConfigError, match="unsupported endpoint"):
             curve_required(bad, curve)
 
 
@@ -271,7 +271,7 @@ def test_cluster_keys_refuse_a_public_key_without_its_secret(tmp_path):
     d = ensure_cluster_keys(tmp_path / "keys")
     before = (d / "client.key").read_bytes()
     (d / "client.key_secret").unlink()  # lost: a new pair would not match allowed/client.key
-    with pytest.raises(InvalidInputError, match="client.key exists without its secret"):
+    with pytest.raises(ConfigError, match="client.key exists without its secret"):
         ensure_cluster_keys(d)
     assert (d / "client.key").read_bytes() == before
     (d / "client.key").unlink()
