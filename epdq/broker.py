@@ -137,7 +137,7 @@ class Broker:
         self._by_id: dict[str, _Peer] = {}
         self._clients: dict[bytes, set[str]] = {}  # client identity -> live request ids
         self._client_seen: dict[bytes, float] = {}
-        self.counters = {"protocol_errors": 0, "messages_in": 0, "invalid_requests": 0}
+        self.counters = {"protocol_errors": 0, "messages_in": 0}
         self.channel: Channel | None = None
         self.endpoint = ""
         self._stop = asyncio.Event()
@@ -305,8 +305,8 @@ class Broker:
             keys = [image_key(self.scope, memoryview(f)) for f in payload] if msg.route != "colocated" else []
             self.scheduler.submit(rid, identity, keys, payload, timeout, msg, msg.route)
         except EpdqError as e:
-            if isinstance(e, InvalidInputError):
-                self.counters["invalid_requests"] += 1
+            if isinstance(e, InvalidInputError):  # the scheduler counts those it fails later (bad images)
+                self.scheduler.counters["invalid_requests"] += 1
             elif isinstance(e, BusyError):  # refused while draining (the scheduler counts its own)
                 self.scheduler.counters["busy_rejections"] += 1
             if self.cfg.log_requests:

@@ -76,7 +76,7 @@ MAX_STALE_READS = 8  # per request; then it fails as busy (the rings are too sma
 MAX_FETCH_FAILURES = 2
 
 COUNTERS = (
-    "requests_submitted", "requests_completed", "requests_failed", "busy_rejections", "cancelled",
+    "requests_submitted", "requests_completed", "requests_failed", "invalid_requests", "busy_rejections", "cancelled",
     "deadline_exceeded", "encodes_queued", "encodes_done", "encode_failures", "encode_requeues",
     "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "fetch_failures", "pd_requeues",
     "workers_lost",
@@ -369,11 +369,12 @@ class Scheduler:
         self._unreference(req)
         if error is None:
             self.counters["requests_completed"] += 1
-        else:
+        elif not isinstance(error, CancelledError):  # a client's cancel is counted apart ("cancelled")
             self.counters["requests_failed"] += 1
-            if not isinstance(error, CancelledError):
-                error.request_id = req.rid
-                self._emit(Fail(req.rid, req.client, error, req))
+            if isinstance(error, InvalidInputError):
+                self.counters["invalid_requests"] += 1
+            error.request_id = req.rid
+            self._emit(Fail(req.rid, req.client, error, req))
 
     def cancel(self, rid: str, client: bytes | None = None) -> bool:
         req = self.requests.get(rid)

@@ -45,6 +45,7 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
         "requests": {
             "completed": k.get("requests_completed", 0),
             "failed": k.get("requests_failed", 0),
+            "cancelled": k.get("cancelled", 0),
             "busy_rejections": k.get("busy_rejections", 0),
             "protocol_errors": k.get("protocol_errors", 0),
         },
@@ -77,7 +78,8 @@ def render(s: dict[str, Any], address: str) -> str:
         f"running {q['running']:.0f}, encode queue {q['encode_queue']:.0f}, encoding {q['encodes_inflight']:.0f}",
         f"cache: hit rate {c['hit_rate']:.1%} ({c['hits']} hits, {c['dedup_joins']} joined, {c['encodes']} encoded, "
         f"{c['evictions']} evicted)",
-        f"requests: {r['completed']} completed, {r['failed']} failed, {r['busy_rejections']} busy, "
+        f"requests: {r['completed']} completed, {r['failed']} failed, {r.get('cancelled', 0)} cancelled, "
+        f"{r['busy_rejections']} busy, "
         f"{r['protocol_errors']} malformed messages",
     ]
     return "\n".join(lines)

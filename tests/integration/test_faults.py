@@ -80,6 +80,7 @@ async def test_a_cancelled_request_is_forgotten_while_its_client_stays(tmp_path)
         # well before the broker's 10 s client liveness would drop this (idle, unpinging) client
         s = await wait_stats(cluster.address, lambda s: s["gauges"]["clients"] == 0, timeout=4)
         assert s["counters"]["cancelled"] == 3
+        assert s["counters"]["requests_failed"] == 0  # a client's cancel is no failure (it used to count as one)
 
 
 async def test_a_burst_beyond_one_batch_is_answered_not_dropped(tmp_path):
@@ -151,6 +152,10 @@ async def test_an_image_over_the_brokers_limit_is_a_typed_error(tmp_path):
         assert time.monotonic() - t0 < 10
         ok = await c.generate("x", images=[demo_image(1, (64, 64))], max_tokens=2)  # the link is fine
         assert len(ok.token_ids) == 2
+        with pytest.raises(InvalidInputError, match="cannot decode"):  # refused by the encoder, later
+            await c.generate("x", images=[demo_image(2, (64, 64))[:200]])
+        # both counted as invalid (the encoder's refusal used to count only as a failure)
+        assert (await c.stats())["counters"]["invalid_requests"] == 2
 
 
 async def test_too_many_images_is_a_typed_error(tmp_path):

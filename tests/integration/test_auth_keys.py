@@ -1,0 +1,237 @@
+"""CURVE in practice: workers given only what `epdq keygen` says they need, key and mechanism
+problems reported as what they are, start-up refusals as `error (config)`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from epdq import AsyncClient, BrokerUnavailableError, ConfigError
+from epdq.demo import demo_image
+from epdq.handshake import HandshakeWatch, watch_if_curve
+from epdq.keys import ensure_cluster_keys, security_for
+from epdq.security import apply_client, authenticator_for, load_keypair
+from epdq.transport import make_socket
+
+pytestmark = pytest.mark.integration
+
+EPDQ = [sys.executable, "-m", "cli.main"]
+
+
+def handout(cluster, dest, *names):
+    dest.mkdir(mode=0o700)
+    for name in names:
+        shutil.copy2(cluster / name, dest / name)
+    return str(dest)
+
+
+@pytest.fixture()
+def ctx():
+    c = zmq.Context()
+    yield c
+    auth = authenticator_for(c)
+    if auth is not None:
+        auth.stop()
+    c.destroy(linger=0)
+
+
+async def _until(pred, timeout_s: float = 3.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, "condition not met"
+        await asyncio.sleep(0.02)
+
+
+# ------------------------------------------------------------------ the encoder's fetch socket
+
+
+def test_fetch_socket_with_worker_keys_only_admits_the_worker_key(tmp_path, ctx):
+    """An encoder given worker.key_secret + broker.key serves tcp fetches to PD workers (which
+    connect with that same pair) and refuses a client key; it used to fail at start-up for want of
+    allowed/. A broker's allow-list in the same context is left as it is."""
+    cluster = ensure_cluster_keys(tmp_path / "cluster")
+    worker = security_for("worker", keys_dir=handout(cluster, tmp_path / "w", "worker.key_secret", "broker.key"))
+    sockets = []
+    try:
+        sockets.append(make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*",
+                                   security=security_for("broker", keys_dir=str(cluster))))  # fmt: skip
+        fetch = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", security=worker)
+        sockets.append(fetch)
+        endpoint = fetch.getsockopt_string(zmq.LAST_ENDPOINT)
+        own = load_keypair(cluster / "worker.key_secret").public  # what PD workers pin as the encoder's key
+        pd = make_socket(ctx, zmq.DEALER, connect=endpoint, security=worker, server_public=own)
+        sockets.append(pd)
+        pd.send(b"fetch")
+        assert fetch.poll(2000), "the PD worker's fetch never arrived"
+        assert fetch.recv_multipart()[1] == b"fetch"
+        stranger = ctx.socket(zmq.DEALER)
+        sockets.append(stranger)
+        apply_client(stranger, security_for("client", keys_dir=str(cluster)).client(own))
+        monitor = stranger.get_monitor_socket()
+        sockets.append(monitor)
+        stranger.connect(endpoint)
+        events = []
+        end = time.monotonic() + 2
+        while zmq.EVENT_HANDSHAKE_FAILED_AUTH not in events and monitor.poll(max(1, int((end - time.monotonic()) * 1e3))):
+            events.append(recv_monitor_message(monitor)["event"])
+        assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in events, events  # a client key may not read embeddings
+        stranger.disable_monitor()
+    finally:
+        for s in reversed(sockets):
+            s.close(linger=0)
+
+
+# ------------------------------------------------------------------ handshake reports
+
+
+async def test_curve_client_of_a_plaintext_broker_is_told_so(tmp_path, ctx):
+    """It was told that the broker's public key it holds is probably not the broker's."""
+    plain = ctx.socket(zmq.ROUTER)
+    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    refused: list[str] = []
+    cfg = security_for("client", keys_dir=str(ensure_cluster_keys(tmp_path / "keys")))
+    watch: list[HandshakeWatch] = []
+    sock = make_socket(ctx, zmq.DEALER, connect=f"tcp://127.0.0.1:{port}", security=cfg,
+                       before_connect=lambda s: watch.append(watch_if_curve(s, "client", refused.append)))  # fmt: skip
+    try:
+        await _until(lambda: watch[0].problem)
+        problem = watch[0].problem
+        assert "does not use CURVE" in problem and "--insecure" in problem, problem
+        assert "probably not the broker's" not in problem
+        assert watch[0].refused and refused == [problem]  # ZeroMQ does not retry: said at once
+    finally:
+        watch[0].close()
+        sock.close(linger=0)
+        plain.close(linger=0)
+
+
+async def test_plaintext_client_of_a_curve_broker_is_told_so(tmp_path, ctx):
+    """It used to get no watch at all: 'no answer within 5.0s' and nothing else."""
+    cluster = ensure_cluster_keys(tmp_path / "keys")
+    server = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*",
+                         security=security_for("broker", keys_dir=str(cluster)))  # fmt: skip
+    watch: list[HandshakeWatch | None] = []
+    refused: list[str] = []
+    sock = make_socket(ctx, zmq.DEALER, connect=server.getsockopt_string(zmq.LAST_ENDPOINT),
+                       security=security_for("client", insecure=True),
+                       before_connect=lambda s: watch.append(watch_if_curve(s, "client", refused.append)))  # fmt: skip
+    try:
+        assert watch[0] is not None
+        await _until(lambda: watch[0].problem)
+        problem = watch[0].problem
+        assert "the broker uses CURVE" in problem and "drop --insecure" in problem, problem
+        assert watch[0].refused and refused == [problem]
+    finally:
+        if watch and watch[0] is not None:
+            watch[0].close()
+        sock.close(linger=0)
+        server.close(linger=0)
+
+
+async def test_client_against_the_other_mechanism_fails_at_once_as_config(tmp_path, unused_tcp_port):
+    keys = ensure_cluster_keys(tmp_path / "keys")
+    addr = f"tcp://127.0.0.1:{unused_tcp_port}"
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home")}
+    broker = subprocess.Popen([*EPDQ, "broker", "--address", addr, "--insecure"], env=env,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        async with AsyncClient(addr, insecure=True) as c:  # up?
+            end = time.monotonic() + 60
+            while True:
+                try:
+                    await c.stats(timeout=1.0)
+                    break
+                except BrokerUnavailableError:
+                    assert time.monotonic() < end, "the broker did not come up"
+        async with AsyncClient(addr, keys_dir=str(keys)) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ConfigError, match="does not use CURVE .*--insecure"):
+                await c.stats(timeout=5.0)
+            assert time.monotonic() - t0 < 2.0  # not after the 5 s of silence
+            with pytest.raises(ConfigError, match="does not use CURVE"):  # a fresh connection, same answer
+                await c.generate("hi", max_tokens=1, timeout=5.0)
+        # the CLI repro: `epdq stats ADDR` with keys at hand
+        r = subprocess.run([*EPDQ, "stats", addr, "--keys-dir", str(keys)], env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and "error (config): the broker does not use CURVE" in r.stderr, r.stderr
+    finally:
+        broker.terminate()
+        broker.wait(30)
+        broker.stderr.close()
+
+
+# ------------------------------------------------------------------ start-up refusals and a handed-out cluster
+
+
+def test_start_up_refusals_from_keys_are_config_errors_naming_flags(tmp_path, unused_tcp_port):
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home")}  # no keys anywhere yet
+    cases = [
+        (["broker", "--address", f"tcp://127.0.0.1:{unused_tcp_port}"], ["--insecure", "`epdq keygen`", "--keys-dir"]),
+        (["broker", "--address", f"tcp://0.0.0.0:{unused_tcp_port}", "--insecure"],
+         ["not a loopback address", "`epdq keygen`", "--keys-dir"]),
+    ]  # fmt: skip
+    broken = ensure_cluster_keys(tmp_path / "broken")
+    (broken / "allowed").chmod(0o777)
+    cases.append((["broker", "--address", f"tcp://127.0.0.1:{unused_tcp_port}", "--keys-dir", str(broken)],
+                  ["chmod go-w"]))  # fmt: skip
+    for argv, said in cases:
+        r = subprocess.run([*EPDQ, *argv], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert r.stderr.startswith("error (config): "), (argv, r.stderr)
+        assert all(s in r.stderr for s in said), (argv, r.stderr)
+
+
+async def test_workers_given_what_keygen_says_serve_an_epd_request_across_nodes(tmp_path, unused_tcp_port):
+    """worker.key_secret + broker.key, nothing else: workers refused to start ('allow_dir ...
+    does not exist'). Here the encoder and the PD worker claim different nodes, so the embedding
+    travels over the encoder's CURVE fetch socket."""
+    cluster = ensure_cluster_keys(tmp_path / "cluster")
+    wk = handout(cluster, tmp_path / "worker-keys", "worker.key_secret", "broker.key")
+    ck = handout(cluster, tmp_path / "client-keys", "client.key_secret", "broker.key")
+    addr = f"tcp://127.0.0.1:{unused_tcp_port}"
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("broker", "encoder", "pd")}  # noqa: SIM115
+    argv = {
+        "broker": ["broker", "--address", addr, "--keys-dir", str(cluster)],
+        "encoder": ["worker", "--role", "encoder", "--engine", "noop", "--broker", addr, "--keys-dir", wk,
+                    "--node", "node-a"],
+        "pd": ["worker", "--role", "pd", "--engine", "noop", "--broker", addr, "--keys-dir", wk, "--node", "node-b"],
+    }  # fmt: skip
+    procs = []
+    try:
+        for name, args in argv.items():
+            procs.append(subprocess.Popen([*EPDQ, *args], env=env, stderr=logs[name], stdout=logs[name]))
+        async with AsyncClient(addr, keys_dir=ck) as c:
+            end = time.monotonic() + 90
+            while True:
+                try:
+                    g = (await c.stats(timeout=1.0))["gauges"]
+                    if g["workers_encoder"] == 1 and g["workers_pd"] == 1:
+                        break
+                except BrokerUnavailableError:
+                    pass
+                for p in procs:
+                    assert p.poll() is None, "a process exited:\n" + "".join(
+                        f.seek(0) or f"--- {n}\n{f.read()}" for n, f in logs.items()
+                    )
+                assert time.monotonic() < end, "workers did not register"
+                await asyncio.sleep(0.1)
+            r = await c.generate("what is this?", images=[demo_image(1, (32, 32))], max_tokens=2, route="epd",
+                                 timeout=30)  # fmt: skip
+            assert len(r.token_ids) == 2
+        logs["encoder"].seek(0)
+        assert "refused CURVE key" not in logs["encoder"].read()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+        for f in logs.values():
+            f.close()
