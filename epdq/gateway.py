@@ -290,6 +290,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, client, messages, kw, rec, created, include_usage)
+        sent_s = time.perf_counter() - rec.t0  # the client's timings count from here; ours from receipt
         try:
             _, result = await _or_disconnect(request, client.generate(messages=messages, **kw))
         except asyncio.CancelledError:
@@ -298,7 +299,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise http_error(e) from None
         n = len(result.token_ids)
         rec.upstream_id = result.request_id
-        rec.tokens, rec.first_s = n, result.timings.ttft_s if n else None
+        # as a stream's: from when the request arrived (its body, parsing and image fetches included)
+        rec.tokens, rec.first_s = n, sent_s + result.timings.ttft_s if n else None
         rec.prompt_tokens = result.prompt_tokens
         rec.last_s = rec.first_s + result.timings.tpot_s * (n - 1) if n else None
         return {

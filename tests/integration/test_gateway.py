@@ -398,9 +398,14 @@ async def image_server(png: bytes):
         n = int(request.match_info["n"])
         raise web.HTTPFound("/cat.png" if n <= 1 else f"/hop/{n - 1}")
 
+    async def slow(_request):
+        await asyncio.sleep(0.5)
+        return web.Response(body=png, content_type="image/png")
+
     app = web.Application()
     app.router.add_get("/cat.png", cat)
     app.router.add_get("/hop/{n}", hop)
+    app.router.add_get("/slow.png", slow)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -443,6 +448,23 @@ async def test_remote_image_urls_reach_public_addresses_only(tmp_path):
                     )
             finally:
                 await oa.close()
+
+
+async def test_unary_ttft_counts_from_when_the_request_arrived(tmp_path):
+    """A unary request's TTFT was the broker client's (from submission), a stream's from receipt:
+    the time spent fetching a slow image went missing from one of the two."""
+    png = demo_image(6, (64, 64))
+    async with Cluster(noop_spec(tmp_path)) as cluster, image_server(png) as port:
+        async with gateway(cluster.address, allow_remote_urls=True, allow_private_urls=True) as base:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "messages": image_message(f"http://127.0.0.1:{port}/slow.png"), "max_tokens": 2}
+                for stream in (False, True):
+                    async with http.post(f"{base}/v1/chat/completions", json=body | {"stream": stream}) as resp:
+                        assert resp.status == 200
+                        await resp.read()
+                m = await gateway_metrics(http, base)
+    assert m["epdq_gateway_ttft_seconds_count"] == 2
+    assert m['epdq_gateway_ttft_seconds_bucket{le="0.5"}'] == 0  # both waited for the image
 
 
 async def test_health_is_503_while_the_broker_drains(tmp_path):
