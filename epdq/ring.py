@@ -39,6 +39,7 @@ import torch
 
 from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry, entry_span
+from epdq.transport import pid_alive as _pid_alive  # one liveness test for segments and socket files
 
 SHM_DIR = "/dev/shm"
 KEY_BYTES = 16
@@ -521,15 +522,3 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
         finally:
             os.close(fd)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

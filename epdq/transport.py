@@ -225,7 +225,7 @@ def remove_stale_ipc_sockets(directory: str, pattern: re.Pattern[str]) -> list[s
     uid = os.getuid()
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         try:
@@ -258,7 +258,8 @@ def _listening(path: str) -> bool | None:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a stale name's owner, for the sweeps of leftovers)."""
     if pid <= 0:
         return False
     try:

@@ -694,3 +694,19 @@ def test_the_workers_ring_setting_has_the_rings_bounds():
     for bad in (MIN_CAPACITY - 1, MAX_CAPACITY + 1):
         with pytest.raises(ValueError, match="ring_bytes must be 1 MiB..64 GiB"):
             WorkerConfig(role="encoder", ring_bytes=bad)
+
+
+def test_the_stale_segment_sweep_survives_a_name_with_an_impossible_pid():
+    # any local user can create such a name in /dev/shm: os.kill raised OverflowError, and every
+    # encoder start (which sweeps) crashed
+    from epdq.ring import SHM_DIR, cleanup_stale_segments
+
+    name = f"epdq-{os.getuid()}-enc-9999999999-{'0' * 16}"
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        assert name in cleanup_stale_segments()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
