@@ -20,7 +20,7 @@ from epdq import protocol as P
 from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
-from epdq.media import MAX_IMAGE_BYTES_DEFAULT, image_key, sniff_format
+from epdq.media import MAX_IMAGE_BYTES_DEFAULT, MAX_IMAGE_BYTES_LIMIT, image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import authenticator_for
@@ -76,9 +76,9 @@ class BrokerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_held_image_bytes < 1:
             raise ValueError(f"max_held_image_bytes must be >= 1, got {self.max_held_image_bytes}")
-        if not 1024 <= self.max_image_bytes <= MAX_MESSAGE_BYTES_DEFAULT - 2**20:
+        if not 1024 <= self.max_image_bytes <= MAX_IMAGE_BYTES_LIMIT:
             # the broker forwards images to workers, whose links take frames up to that size
-            raise ValueError(f"max_image_bytes must be in [1024, {MAX_MESSAGE_BYTES_DEFAULT - 2**20}] "
+            raise ValueError(f"max_image_bytes must be in [1024, {MAX_IMAGE_BYTES_LIMIT}] "
                              f"(images are forwarded to workers in frames of at most {MAX_MESSAGE_BYTES_DEFAULT >> 20} MiB)")  # fmt: skip
         # written as "not (valid)" so that NaN (from `--timeout nan`) fails too
         if not 0 < self.max_timeout_s <= 86400:

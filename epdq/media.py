@@ -28,7 +28,10 @@ from epdq.errors import InvalidInputError
 if TYPE_CHECKING:
     from PIL import Image
 
-MAX_IMAGE_BYTES_DEFAULT = 20 * 2**20
+MAX_IMAGE_BYTES_DEFAULT = 20 * 2**20  # the broker's --max-image-mb unless set
+# The most any broker can be set to accept (its 64 MiB message cap less 1 MiB for the header):
+# what clients and workers check against, so that the broker's own setting is what decides.
+MAX_IMAGE_BYTES_LIMIT = 63 * 2**20
 MAX_IMAGE_PIXELS_DEFAULT = 40_000_000
 FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
 _KEY_PERSON = b"epdq.image.v1"  # domain separation: these hashes mean nothing elsewhere
@@ -64,7 +67,7 @@ def sniff_format(data: Any) -> str | None:
     return None
 
 
-def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_DEFAULT) -> bytes:
+def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_LIMIT) -> bytes:
     """Client side: a path, a base64 data: URL, bytes-like object or PIL image, as the bytes to send."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from epdq import protocol as P
 from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
+from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.transport import endpoint_problem
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
@@ -42,7 +43,8 @@ class WorkerConfig:
     # tcp://HOST:PORT (NAT, port mapping); empty = the bound address, or for a wildcard bind the
     # address of the interface that routes to the broker
     fetch_advertise: str = ""
-    max_image_bytes: int = 20 * 2**20
+    # the broker enforces its --max-image-mb before a job reaches a worker: this is a backstop only
+    max_image_bytes: int = MAX_IMAGE_BYTES_LIMIT
     max_image_pixels: int = 40_000_000
     max_model_len: int = 4096
     kv_cache_bytes: int = 64 * 2**20

@@ -158,6 +158,16 @@ async def test_an_image_over_the_brokers_limit_is_a_typed_error(tmp_path):
         assert (await c.stats())["counters"]["invalid_requests"] == 2
 
 
+async def test_a_broker_allowing_larger_images_gets_them(tmp_path):
+    """`--max-image-mb 30`: a 22 MiB image is served (the client and the encoders used to refuse
+    anything over 20 MiB, whatever the broker allowed)."""
+    spec = noop_spec(tmp_path, broker=BrokerConfig(max_image_bytes=30 << 20))
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address, timeout=60) as c:
+        big = demo_image(4, (64, 64)) + os.urandom(22 << 20)  # a PNG with 22 MiB of trailing bytes
+        ok = await c.generate("x", images=[big], max_tokens=2)
+        assert len(ok.token_ids) == 2 and ok.timings.images == 1
+
+
 async def test_too_many_images_is_a_typed_error(tmp_path):
     async with Cluster(noop_spec(tmp_path, log_format="json")) as cluster, AsyncClient(cluster.address) as c:
         with pytest.raises(InvalidInputError, match="limit 8") as refused:

@@ -306,3 +306,26 @@ def test_load_pil_image_is_lossless_and_deterministic():
 def test_load_rejects_other_types(bad):
     with pytest.raises(InvalidInputError):
         load_image_bytes(bad)
+
+
+def test_the_client_leaves_the_image_size_limit_to_the_broker(tmp_path):
+    # the client refused files over 20 MiB, whatever the broker's --max-image-mb: raising it did nothing
+    from epdq.broker import BrokerConfig
+    from epdq.media import MAX_IMAGE_BYTES_LIMIT
+    from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT
+    from epdq.worker.runner import WorkerConfig
+
+    big = tmp_path / "big.png"
+    big.write_bytes(demo_png_header() + bytes(30 * 2**20))
+    assert len(load_image_bytes(big)) > 30 * 2**20
+    BrokerConfig("ipc:///tmp/x", max_image_bytes=MAX_IMAGE_BYTES_LIMIT)  # the most a broker accepts
+    with pytest.raises(ValueError):
+        BrokerConfig("ipc:///tmp/x", max_image_bytes=MAX_IMAGE_BYTES_LIMIT + 1)
+    assert MAX_IMAGE_BYTES_LIMIT == MAX_MESSAGE_BYTES_DEFAULT - 2**20
+    assert WorkerConfig(role="encoder", broker="ipc:///tmp/x").max_image_bytes == MAX_IMAGE_BYTES_LIMIT
+    with pytest.raises(InvalidInputError, match="limit"):
+        load_image_bytes(bytes(MAX_IMAGE_BYTES_LIMIT + 1))
+
+
+def demo_png_header() -> bytes:
+    return b"\x89PNG\r\n\x1a\n"
