@@ -287,9 +287,17 @@ def generate(
             kw = dict(images=image, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                       stop=stop, route=route)  # fmt: skip
             if stream and not as_json:
-                async for d in c.stream(prompt, **kw):
-                    sys.stdout.write(d.text)
-                    sys.stdout.flush()
+                printed = False
+                try:
+                    async for d in c.stream(prompt, **kw):
+                        sys.stdout.write(d.text)
+                        sys.stdout.flush()
+                        printed = printed or bool(d.text)
+                except BaseException:
+                    if printed:  # the error line must not start mid-answer
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                    raise
                 sys.stdout.write("\n")
                 return 0
             r = await c.generate(prompt, **kw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -431,3 +432,18 @@ def test_serve_http_on_a_taken_port_is_one_line_and_sigterm_exits_0(tmp_path, un
             gw.kill()
             gw.wait(10)
         gw.stderr.close()
+
+
+async def test_a_stream_cut_by_its_deadline_ends_its_line_before_the_error(tmp_path):
+    from epdq.cluster import Cluster
+    from tests.integration.helpers import noop_spec
+
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.2})
+    async with Cluster(spec) as cluster:
+        proc = await asyncio.create_subprocess_exec(
+            *EPDQ, "generate", "slow", "--address", cluster.address, "--max-tokens", "50", "--timeout", "1.5",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 3 and b"error (deadline)" in err, err
+    assert out and out.endswith(b"\n")  # the partial answer used to run into the shell prompt
