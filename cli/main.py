@@ -118,6 +118,9 @@ _FLAGS = {
     "heartbeat_s": "--heartbeat", "liveness": "--liveness", "client_liveness_s": "--client-liveness",
     "encode_lease_s": "--encode-lease", "drain_timeout_s": "--drain-timeout", "metrics_address": "--metrics",
     "max_image_bytes": "--max-image-mb (in bytes)", "max_held_image_bytes": "--max-held-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
+    "allow_private_urls": "--allow-private-urls",
+    "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
+    "default_max_tokens": "--default-max-tokens", "log_format": "--log-format",
 }  # fmt: skip
 
 
@@ -180,7 +183,7 @@ def worker(
 @app.command()
 def up(
     address: str = typer.Option(DEFAULT_ADDRESS, help="Broker address to serve on."),
-    encoders: int = typer.Option(1, help="Encoder workers."),
+    encoders: int = typer.Option(None, help="Encoder workers (default 1; none with --colocated)."),
     pds: int = typer.Option(1, help="PD workers (with --colocated: colocated workers)."),
     colocated: bool = typer.Option(
         False, "--colocated", help="The baseline: colocated workers only, no encoders."
@@ -205,7 +208,11 @@ def up(
     from epdq.cluster import Cluster, ClusterSpec
 
     if colocated:
+        if encoders:  # it used to be dropped without a word
+            raise typer.BadParameter("--colocated runs colocated workers only: drop --encoders")
         encoders, pds, both = 0, 0, max(pds, 1) + both
+    elif encoders is None:
+        encoders = 1
     http_options: dict = {"model_name": model_name}
     if allow_dir:
         http_options["allow_dir"] = allow_dir
@@ -416,7 +423,7 @@ def serve_http(
             log_format=log_format,
         )  # fmt: skip
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(_flag_names(str(e))) from None
     run(cfg)
 
 

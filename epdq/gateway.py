@@ -75,6 +75,8 @@ class GatewayConfig:
             raise ValueError(f"default_max_tokens must be in [0, {MAX_TOKENS_LIMIT}] (0: as many as fit)")
         if not 0 < self.port < 65536:  # uvicorn would bind port % 65536 and print the number given
             raise ValueError(f"port must be 1..65535, not {self.port}")
+        if self.allow_private_urls and not self.allow_remote_urls:
+            raise ValueError("allow_private_urls widens allow_remote_urls, which is off")
         if self.allow_dir is not None and not os.path.isdir(self.allow_dir):
             # checked now: otherwise every local image would fail, one request at a time
             raise ValueError(f"allow_dir {self.allow_dir!r} does not exist or is not a directory")

@@ -85,6 +85,9 @@ class WorkerConfig:
             raise ValueError("threads must be in [1, 1024]")
         if self.fetch_advertise:
             _check_advertise(self.fetch_advertise)
+        if (self.fetch_bind or self.fetch_advertise) and self.role != "encoder":
+            # only an encoder serves ring bytes: on another role they would be silently ignored
+            raise ValueError("fetch_bind and fetch_advertise are encoder settings (only for --role encoder)")
         # device first: the ring and dtype defaults depend on it; a missing GPU fails here, at start-up
         self.device = check_device(self.device)
         self.ring = resolve_ring(self.ring, self.device)

@@ -310,12 +310,17 @@ def test_start_up_problems_are_one_line_errors(tmp_path):
         (["worker", "--role", "pd", "--drain-timeout", "7200"], "--drain-timeout must be in [0, 3600]"),
         (["up", "--drain-timeout", "-5"], "--drain-timeout must be in [0, 3600]"),
         (["demo", "--address", "foo"], "address must look like"),  # was a traceback
+        # options that used to be ignored without a word
+        (["up", "--colocated", "--encoders", "3"], "--colocated runs colocated workers only: drop --encoders"),
+        (["worker", "--role", "pd", "--fetch-bind", "tcp://127.0.0.1:1"], "--fetch-bind and --fetch-advertise are encoder"),
+        (["serve-http", "--allow-private-urls"], "--allow-private-urls widens --allow-remote-urls, which is off"),
     ],
 )
 def test_bad_broker_worker_and_up_settings_are_usage_errors(argv, message, tmp_path):
-    command = argv[0] if argv[0] in ("worker", "up", "demo") else "broker"
+    command = argv[0] if argv[0] in ("worker", "up", "demo", "serve-http") else "broker"
     argv = argv[1:] if command != "broker" else argv
-    address = [] if command == "worker" or "--address" in argv else ["--address", f"ipc://{tmp_path}/b.sock"]
+    own = command in ("worker", "serve-http") or "--address" in argv
+    address = [] if own else ["--address", f"ipc://{tmp_path}/b.sock"]
     r = subprocess.run([*EPDQ, command, *address, *argv], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Invalid value" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
     assert message in " ".join(r.stderr.replace("│", " ").split())  # the box may wrap the line
