@@ -12,6 +12,8 @@ import time
 
 # attributes every LogRecord has; anything else came through `extra=` and is an event field
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+# uvicorn's copy of the message with ANSI colour codes for terminals: no field for a JSON log
+_DROPPED = frozenset({"color_message"})
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,7 +26,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         for k, v in record.__dict__.items():  # request_id, event, ... from `extra=`
-            if k not in _STANDARD and k not in out:
+            if k not in _STANDARD and k not in out and k not in _DROPPED:
                 out[k] = v if isinstance(v, str | int | float | bool | type(None)) else str(v)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

@@ -46,3 +46,17 @@ def test_an_operators_own_vllm_logging_settings_win(tmp_path):
     assert run_child({"VLLM_LOGGING_CONFIG_PATH": str(own)}).stdout.strip() == str(own)
     # vLLM refuses a config file when its logging configuration is off: none is set then
     assert run_child({"VLLM_CONFIGURE_LOGGING": "0"}).stdout.strip() == ""
+
+
+def test_json_lines_carry_no_terminal_colour_copy():
+    # uvicorn logs with extra={"color_message": <the message with ANSI codes>}: it went into every JSON line
+    import logging
+
+    from epdq.logs import JsonFormatter
+
+    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Started server process [%d]", (7,), None)
+    record.color_message = "Started server process [\x1b[36m%d\x1b[0m]"
+    record.event = "started"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "Started server process [7]" and line["event"] == "started"
+    assert "color_message" not in line
