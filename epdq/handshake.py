@@ -6,11 +6,13 @@ broker that never answers: ZeroMQ drops the connection inside its I/O thread. It
 does say why, and `HandshakeWatch` turns that into a sentence, so a key problem is reported as one
 instead of as "broker silent".
 
-What libzmq 4.3 reports to the connecting side (tests/integration/test_auth.py checks each):
+What libzmq 4.3 reports to the connecting side (tests/integration/test_auth*.py check these):
 key not in the allow-list: HANDSHAKE_FAILED_AUTH, and it does not reconnect; wrong broker public
-key: HANDSHAKE_FAILED_NO_DETAIL, reconnecting every 100 ms; CURVE client and plaintext broker, or
-the other way round: HANDSHAKE_FAILED_PROTOCOL with ZMTP_MECHANISM_MISMATCH, and it does not
-reconnect.
+key: HANDSHAKE_FAILED_NO_DETAIL (EPIPE: the broker hung up), reconnecting every 100 ms; CURVE client
+and plaintext broker, or the other way round: HANDSHAKE_FAILED_PROTOCOL with ZMTP_MECHANISM_MISMATCH,
+and it does not reconnect. That last one is a race, though: when the broker hangs up before the
+client has read its greeting, the client sees the same NO_DETAIL as for a wrong key, reconnects, and
+reports the mismatch only on a later try. So a NO_DETAIL sentence names both causes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ REFUSED = (
 )
 FAILED = (
     "the CURVE handshake with the broker failed: the broker's public key this {who} holds is "
-    "probably not the broker's (broker.key must come from the broker's keys directory)"
+    "probably not the broker's (broker.key must come from the broker's keys directory), or the broker "
+    "does not use CURVE (it runs with --insecure)"
 )
 BROKER_PLAINTEXT = (
     "the broker does not use CURVE (it runs with --insecure, in plaintext) while this {who} does: "
