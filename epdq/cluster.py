@@ -192,7 +192,8 @@ class Cluster:
                     delay = 0.0 if planned else min(backoff_s * 2**ch.restarts, backoff_max_s)
                     ch.restart_at = now + delay
                     if planned:
-                        say(f"{ch.name} stopped cleanly (exit code 0); starting it again (log: {ch.log_path})")
+                        say(f"{ch.name} exited with code 0 (told to stop, e.g. SIGTERM, after its drain); "
+                            f"starting it again (log: {ch.log_path})")  # fmt: skip
                     else:
                         say(f"{ch.name} {how_it_ended(rc)}; restarting it in {delay:g} s "
                             f"({ch.restarts + 1}/{max_restarts}; log: {ch.log_path})")  # fmt: skip

@@ -529,7 +529,7 @@ async def test_supervise_restarts_what_exits_then_gives_up(tmp_path):
             while not back_up():
                 assert time.monotonic() < end and not supervisor.done(), f"pd-0 did not come back: {said}"
                 await asyncio.sleep(0.1)
-        assert said[-1].startswith("pd-0 stopped cleanly (exit code 0); starting it again")
+        assert said[-1].startswith("pd-0 exited with code 0 (told to stop")
         assert cluster.child("pd-0").restarts == 1 and not supervisor.done()
         kill_child(cluster.child("pd-0"))
         with pytest.raises(RuntimeError, match="pd-0 was killed by SIGKILL after 1 restarts in a row"):
