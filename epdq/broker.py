@@ -307,8 +307,6 @@ class Broker:
         except EpdqError as e:
             if isinstance(e, InvalidInputError):  # the scheduler counts those it fails later (bad images)
                 self.scheduler.counters["invalid_requests"] += 1
-            elif isinstance(e, BusyError):  # refused while draining (the scheduler counts its own)
-                self.scheduler.counters["busy_rejections"] += 1
             if self.cfg.log_requests:
                 self._log_failed(rid[:128], e, None)
             self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
@@ -318,6 +316,7 @@ class Broker:
 
     def _validate_submit(self, msg: P.Submit, payload: list[Any]) -> None:
         if self.draining:
+            self.scheduler.counters["busy_rejections"] += 1  # as the scheduler counts its own refusals
             raise BusyError("the broker is shutting down", retry_after=max(1.0, self.cfg.busy_retry_after_s))
         if not 1 <= len(msg.request_id) <= 128:
             raise InvalidInputError("request_id must be 1..128 characters")
