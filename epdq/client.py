@@ -29,7 +29,7 @@ from epdq.errors import (
     ProtocolError,
     error_from_code,
 )
-from epdq.handshake import HandshakeWatch, watch_if_curve
+from epdq.handshake import HandshakeWatch, watch_client
 from epdq.keys import security_for
 from epdq.media import decode_data_url, is_pil_image, load_image_bytes
 from epdq.security import SecurityConfig, curve_required
@@ -155,7 +155,7 @@ class AsyncClient:
 
     def _open(self) -> None:
         def watch(s: zmq.Socket) -> None:
-            self._handshakes = watch_if_curve(s, "client", self._on_refused)
+            self._handshakes = watch_client(s, "client", self._on_refused)
 
         try:
             sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security, before_connect=watch)

@@ -121,4 +121,3 @@ def watch_client(
     return HandshakeWatch(sock, who, on_refused) if _is_client(sock) else None
 
 
-watch_if_curve = watch_client  # the old name: plaintext clients are watched too now

@@ -18,7 +18,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.errors import ProtocolError
-from epdq.handshake import HandshakeWatch, watch_if_curve
+from epdq.handshake import HandshakeWatch, watch_client
 from epdq.security import SecurityConfig
 from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, make_socket
 
@@ -77,7 +77,7 @@ class BrokerLink:
 
     def _connect(self) -> None:
         def watch(s: zmq.Socket) -> None:
-            self._handshakes = watch_if_curve(s, "worker")  # it logs a refused key or a wrong broker key
+            self._handshakes = watch_client(s, "worker")  # it logs a refused key or a wrong broker key
 
         sock = make_socket(
             self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,

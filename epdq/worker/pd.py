@@ -21,6 +21,7 @@ import zmq
 from epdq import protocol as P
 from epdq.engines.base import PDEngine, SamplingSpec
 from epdq.errors import (
+    ConfigError,
     EngineError,
     EpdqError,
     FetchFailedError,
@@ -70,6 +71,8 @@ class RemoteFetcher:
                 )  # fmt: skip
             except zmq.ZMQError as e:
                 raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}: {e}") from None
+            except ConfigError as e:  # e.g. no keys for a tcp endpoint off loopback: this link, not the client
+                raise FetchFailedError(f"cannot fetch from {endpoint[:64]!r}: {e.message}") from None
             ch = Channel(sock, self._on_frames)
             ch.start()
         self._channels[endpoint] = ch  # re-inserted: dict order is recency

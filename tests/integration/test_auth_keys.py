@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from epdq import AsyncClient, BrokerUnavailableError, ConfigError
 from epdq.demo import demo_image
-from epdq.handshake import HandshakeWatch, watch_if_curve
+from epdq.handshake import HandshakeWatch, watch_client
 from epdq.keys import ensure_cluster_keys, security_for
 from epdq.security import apply_client, authenticator_for, load_keypair
 from epdq.transport import make_socket
@@ -103,7 +103,7 @@ async def test_curve_client_of_a_plaintext_broker_is_told_so(tmp_path, ctx):
     cfg = security_for("client", keys_dir=str(ensure_cluster_keys(tmp_path / "keys")))
     watch: list[HandshakeWatch] = []
     sock = make_socket(ctx, zmq.DEALER, connect=f"tcp://127.0.0.1:{port}", security=cfg,
-                       before_connect=lambda s: watch.append(watch_if_curve(s, "client", refused.append)))  # fmt: skip
+                       before_connect=lambda s: watch.append(watch_client(s, "client", refused.append)))  # fmt: skip
     try:
         await _until(lambda: watch[0].problem)
         problem = watch[0].problem
@@ -125,7 +125,7 @@ async def test_plaintext_client_of_a_curve_broker_is_told_so(tmp_path, ctx):
     refused: list[str] = []
     sock = make_socket(ctx, zmq.DEALER, connect=server.getsockopt_string(zmq.LAST_ENDPOINT),
                        security=security_for("client", insecure=True),
-                       before_connect=lambda s: watch.append(watch_if_curve(s, "client", refused.append)))  # fmt: skip
+                       before_connect=lambda s: watch.append(watch_client(s, "client", refused.append)))  # fmt: skip
     try:
         assert watch[0] is not None
         await _until(lambda: watch[0].problem)
@@ -178,7 +178,7 @@ async def test_a_hang_up_during_the_handshake_names_both_causes(tmp_path, ctx):
     cfg = security_for("client", keys_dir=str(ensure_cluster_keys(tmp_path / "keys")))
     sock = ctx.socket(zmq.DEALER)
     apply_client(sock, cfg.client())
-    watch = watch_if_curve(sock, "client")
+    watch = watch_client(sock, "client")
     try:
         endpoint = b"tcp://127.0.0.1:9"
         watch._on_event([struct.pack("=hi", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE), endpoint])

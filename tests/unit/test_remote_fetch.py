@@ -50,3 +50,18 @@ async def test_a_link_zeromq_gave_up_is_a_fetch_failure_not_a_traceback(unused_t
     finally:
         fetcher.close()
         ctx.term()
+
+
+async def test_a_fetch_endpoint_this_worker_may_not_use_fails_the_fetch_not_the_client():
+    # a PD worker without keys given a tcp endpoint off loopback: the ConfigError reached the client
+    # as "error (config)", as if its own settings were wrong
+    from epdq.security import SecurityConfig
+
+    ctx = zmq.Context()
+    fetcher = RemoteFetcher(ctx, timeout_s=1, security=SecurityConfig(insecure_ok=True))
+    try:
+        with pytest.raises(FetchFailedError, match="cannot fetch from 'tcp://10.1.2.3:7710'"):
+            await fetcher.fetch(ref("tcp://10.1.2.3:7710"))
+    finally:
+        fetcher.close()
+        ctx.term()
