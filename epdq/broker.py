@@ -432,6 +432,14 @@ class Broker:
             self._send(identity, P.Bye("capacity must be in [1, 4096], worker_id and node 1..128 characters", refused=True))
             return
         if role is Role.ENCODER:
+            if self.scope and msg.scope != self.scope and not any(
+                p.role is Role.ENCODER and p.worker_id != msg.worker_id for p in self.workers.values()
+            ):
+                # every encoder of the old model is gone (a model upgrade): the new one sets the scope,
+                # rather than a broker refusing every encoder until it is restarted
+                log.warning("model scope changes from %s to %s (no encoder of the old one is left)", self.scope,
+                            msg.scope, extra={"event": "scope_changed"})  # fmt: skip
+                self.scope = msg.scope
             if not self.scope:
                 self.scope = msg.scope
             elif msg.scope != self.scope:

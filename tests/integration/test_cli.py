@@ -391,6 +391,23 @@ def test_a_worker_the_broker_refuses_says_why_and_exits(tmp_path):
         assert r.returncode == 2, r.stderr[-2000:]
         assert "the broker refused this worker: model scope 'noop-vision-v1' differs" in r.stderr, r.stderr[-2000:]
         assert "registering again" not in r.stderr and time.monotonic() - t0 < 30
+        # once the other model's last encoder has left (a model upgrade), the new model's is taken
+        # (it used to be refused until the broker restarted)
+        first.send_multipart(P.encode(P.Bye("shutdown")))
+        r = subprocess.Popen([*EPDQ, "worker", "--role", "encoder", "--engine", "noop", "--broker", addr],
+                             env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                line = r.stderr.readline()
+                assert line and time.monotonic() < deadline, "the new model's encoder did not register"
+                if "registered with broker" in line:
+                    break
+                assert "refused" not in line, line
+        finally:
+            r.terminate()
+            r.wait(30)
+            r.stderr.close()
     finally:
         first.close()
         ctx.term()
