@@ -20,7 +20,7 @@ from epdq import protocol as P
 from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
-from epdq.media import MAX_IMAGE_BYTES_DEFAULT, MAX_IMAGE_BYTES_LIMIT, image_key, sniff_format
+from epdq.media import MAX_IMAGE_BYTES_LIMIT, image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import authenticator_for
@@ -151,7 +151,7 @@ class Broker:
         # A frame over ZeroMQ's cap drops the sender's connection, and its request is lost
         # without a word: the cap admits every image an epdq client sends (its own limit), so an
         # image over OUR limit gets a typed error from _validate_submit instead.
-        frame_cap = max(self.cfg.max_image_bytes, MAX_IMAGE_BYTES_DEFAULT) + (1 << 20)
+        frame_cap = MAX_IMAGE_BYTES_LIMIT + (1 << 20)
         sock = make_socket(
             self._ctx, zmq.ROUTER, bind=self.cfg.address, max_message_bytes=frame_cap, security=security,
         )  # fmt: skip
