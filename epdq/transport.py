@@ -210,6 +210,20 @@ def _makedirs_private(path: str) -> None:
             raise
 
 
+def ensure_private_dir(path: str) -> None:
+    """Make `path` a directory only this user can enter, or check that it is one: a well-known
+    directory (`$TMPDIR/epdq-<uid>`) that another local user made first, or linked elsewhere,
+    would let them replace our sockets and answer our peers (ipc links carry no keys)."""
+    _makedirs_private(path)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path} is not a directory (a symlink?): refusing to put sockets there")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user: refusing to put sockets there")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours, but open to others: close it
+
+
 def remove_stale_ipc_sockets(directory: str, pattern: re.Pattern[str]) -> list[str]:
     """Unlink the sockets in `directory` left by dead processes; returns the names removed.
 

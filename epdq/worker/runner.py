@@ -17,7 +17,7 @@ from epdq import protocol as P
 from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
-from epdq.transport import endpoint_problem
+from epdq.transport import endpoint_problem, ensure_private_dir
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
@@ -189,6 +189,7 @@ def default_fetch_bind(security) -> str:
     import tempfile
 
     d = os.path.join(tempfile.gettempdir(), f"epdq-{os.getuid()}")
+    ensure_private_dir(d)
     return f"ipc://{d}/fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

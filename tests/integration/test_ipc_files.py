@@ -215,3 +215,25 @@ def test_real_processes_leave_no_ipc_files(short_dir):
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
+
+
+def test_the_default_socket_directory_must_be_this_users_own(tmp_path, monkeypatch):
+    # another local user could create $TMPDIR/epdq-<uid> first (open to all, or a symlink to theirs)
+    # and swap our fetch sockets: ipc links carry no keys
+    import tempfile
+
+    from epdq.errors import ConfigError
+    from epdq.security import SecurityConfig
+    from epdq.worker.runner import default_fetch_bind
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    d = tmp_path / f"epdq-{os.getuid()}"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    assert default_fetch_bind(SecurityConfig()).startswith(f"ipc://{d}/fetch-")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700  # ours but open: closed
+    d.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    d.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="not a directory"):
+        default_fetch_bind(SecurityConfig())
