@@ -198,7 +198,7 @@ def up(
     allow_dir: str = typer.Option("", help="Gateway: serve local image files under this directory."),
     metrics: str = typer.Option("", help="HOST:PORT for the broker's Prometheus /metrics and /health."),
     log_format: str = typer.Option("text", help="Child logs: text or json"),
-    restarts: int = typer.Option(5, min=0, help="Crashes in a row after which a process is not restarted but everything stops (0: at the first)."),
+    restarts: int = typer.Option(5, min=0, help="Restarts of a process that keeps crashing; its next crash stops everything (0: the first crash does)."),
     drain_timeout: float = typer.Option(
         10.0, help="On Ctrl-C or SIGTERM: seconds to finish the requests in flight while new ones are refused "
         "(a second Ctrl-C stops at once)."

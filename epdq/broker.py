@@ -54,7 +54,9 @@ class BrokerConfig:
     busy_retry_after_s: float = 0.5
     client_liveness_s: float = 10.0  # a client with live requests silent this long is gone
     encode_lease_s: float = 60.0  # an encode job not finished in this time is re-queued
-    scope: str = ""  # cache-key scope; adopted from the first encoder when empty
+    # cache-key scope; when empty, adopted from the first encoder (and from the next one once every
+    # encoder of that scope has left); when set, encoders of any other scope are refused
+    scope: str = ""
     metrics_address: str = ""  # HOST:PORT for Prometheus /metrics and /health; empty = off
     keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
     insecure: bool = False  # plaintext tcp, allowed on loopback only
@@ -432,7 +434,7 @@ class Broker:
             self._send(identity, P.Bye("capacity must be in [1, 4096], worker_id and node 1..128 characters", refused=True))
             return
         if role is Role.ENCODER:
-            if self.scope and msg.scope != self.scope and not any(
+            if self.scope and not self.cfg.scope and msg.scope != self.scope and not any(
                 p.role is Role.ENCODER and p.worker_id != msg.worker_id for p in self.workers.values()
             ):
                 # every encoder of the old model is gone (a model upgrade): the new one sets the scope,

@@ -160,7 +160,7 @@ class Cluster:
 
     async def supervise(
         self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5,
-        backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 60.0,
+        backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 600.0,
     ) -> None:  # fmt: skip
         """Until cancelled: restart any child that exits, up to `max_restarts` crashes in a row
         each; then RuntimeError with its last log lines. Workers re-register by themselves, and
@@ -169,7 +169,9 @@ class Cluster:
 
         A crashed child is started again after `backoff_s`, doubling with each crash in a row up
         to `backoff_max_s`, so that a cause that passes (a port briefly taken, a peer still
-        restarting) gets time to; one that ran `stable_s` before crashing starts its count again.
+        restarting) gets time to; one that ran `stable_s` before crashing starts its count again
+        (long, since the run includes loading the model: one that loads for minutes, then fails,
+        is a crash loop all the same).
         A child that exits 0 was told to stop and drained (a rolling restart: SIGTERM one process
         at a time): it is started again at once, without counting against `max_restarts`."""
         while True:
