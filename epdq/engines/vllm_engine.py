@@ -257,7 +257,7 @@ class VllmEngine:
             raise InvalidInputError(str(exc), request_id=request_id) from exc
         except EngineGenerateError as exc:
             root = _root_cause(exc)
-            if isinstance(root, ValueError):
+            if isinstance(root, ValueError) and _raised_in_input_processing(root):
                 # vLLM wraps what its input processing rejects (an image whose aspect ratio the
                 # processor refuses, ...): the request's input, not the engine, as on an E->PD route
                 raise InvalidInputError(f"the engine refused the input: {root}", request_id=request_id) from exc
@@ -380,6 +380,18 @@ def _image_list(images, n_placeholders: int) -> dict | None:
     if any(not isinstance(im, Image.Image) for im in images):
         raise InvalidInputError("images must be PIL images")
     return {"image": images}
+
+
+def _raised_in_input_processing(exc: BaseException) -> bool:
+    """Whether `exc` was raised by the processors that turn a request's images into model inputs
+    (transformers' image processors, vLLM's multimodal processing): the input's fault. A ValueError
+    from anywhere else in the engine is ours, and stays an EngineError."""
+    tb = exc.__traceback__
+    where = ""
+    while tb is not None:
+        where = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return any(part in where for part in ("/transformers/", "/vllm/multimodal/"))
 
 
 def _root_cause(exc: BaseException) -> BaseException:
