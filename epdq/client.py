@@ -124,7 +124,8 @@ class AsyncClient:
         self._rids = itertools.count(1)
         try:
             self._security = security or security_for("client", keys_dir=keys_dir, insecure=insecure)
-            curve_required(address, self._security)  # plaintext off loopback: said now, not at connect
+            if curve_required(address, self._security):  # plaintext off loopback: said now, not at connect
+                self._security.client()  # the key files read and checked now too (mode, format)
         except EpdqError as e:  # the client's own settings (keys), not a request's input
             raise ConfigError(e.message) from None
 

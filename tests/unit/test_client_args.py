@@ -4,6 +4,7 @@ such a SUBMIT as a malformed message, and the caller would wait for its deadline
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -66,6 +67,16 @@ def test_one_image_may_be_given_bare(client):
     for one in (png, bytearray(png), Image.open(__import__("io").BytesIO(png)), None, ()):
         _, frames, _, _ = client._prepare("hi", images=one)
         assert len(frames) == 2 + (one not in (None, ())), type(one)
+
+
+def test_unusable_key_files_are_refused_at_construction(tmp_path):
+    # they were read only at connect: serve-http failed inside uvicorn's start-up (traceback, exit 3)
+    from epdq.keys import ensure_cluster_keys
+
+    keys = ensure_cluster_keys(tmp_path / "k")
+    os.chmod(keys / "client.key_secret", 0o644)
+    with pytest.raises(ConfigError, match="accessible by other users"):
+        AsyncClient("tcp://127.0.0.1:7700", keys_dir=str(keys))
 
 
 @pytest.mark.parametrize(
