@@ -411,6 +411,7 @@ def _split_host_port(value: str) -> tuple[str, int]:
 def _check_port_free(host: str, port: int) -> None:
     """The gateway starts last, after every worker has loaded: a port already taken must fail
     the start at once instead (a probe; the gateway's own bind still decides)."""
-    from epdq.gateway import bind_socket
+    from epdq.gateway import bind_sockets
 
-    bind_socket(host, port).close()
+    for sock in bind_sockets(host, port):
+        sock.close()

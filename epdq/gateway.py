@@ -422,19 +422,34 @@ def build_server(config: GatewayConfig, **uvicorn_kw: Any):
     return uvicorn.Server(ucfg)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The gateway's listening socket, bound before uvicorn starts: a port already taken is a
-    ConfigError (one line, exit 2) instead of uvicorn's log lines after "startup complete"."""
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The gateway's listening sockets, bound before uvicorn starts: a port already taken is a
+    ConfigError (one line, exit 2) instead of uvicorn's log lines after "startup complete". A host
+    name gets a socket per address it resolves to (localhost: 127.0.0.1 and ::1), as uvicorn did."""
     bare = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        sock.bind((bare, port))
-    except OSError as e:
-        sock.close()
+        infos = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
         raise ConfigError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
+    socks: list[socket.socket] = []
+    seen: set = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # its IPv4 twin binds apart
+            sock.bind(addr)
+            sock.set_inheritable(True)
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
+    return socks
 
 
 async def serve(config: GatewayConfig, *, sockets: list | None = None) -> None:
@@ -455,7 +470,7 @@ def run(config: GatewayConfig) -> None:
     # the broker address and keys, checked now: the app builds its client only once uvicorn runs,
     # where a ConfigError became a traceback and exit 3
     AsyncClient(config.broker_address, keys_dir=config.keys_dir, insecure=config.insecure)
-    sock = bind_socket(config.host, config.port)
+    socks = bind_sockets(config.host, config.port)
     try:
         import uvloop
 
@@ -463,11 +478,25 @@ def run(config: GatewayConfig) -> None:
     except ImportError:
         factory = None
     # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again; with
-    # the default handler found there, that re-raise killed the process (-15) after a clean stop
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # the default handler found there, that re-raise killed the process (-15) after a clean stop.
+    # Ours also stops a server that is still being built (uvicorn listens only once serving).
+    state: dict[str, Any] = {"term": False, "server": None}
+
+    def on_term(*_: Any) -> None:
+        state["term"] = True
+        if state["server"] is not None:
+            state["server"].should_exit = True
+
+    async def main() -> None:
+        state["server"] = build_server(config)
+        if not state["term"]:  # a SIGTERM while the app was being built: do not start at all
+            await state["server"].serve(sockets=socks)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(serve(config, sockets=[sock]))
+            runner.run(main())
     finally:
         signal.signal(signal.SIGTERM, previous)
-        sock.close()
+        for sock in socks:
+            sock.close()
