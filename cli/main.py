@@ -403,7 +403,10 @@ def serve_http(
     allow_private_urls: bool = typer.Option(
         False, help="With --allow-remote-urls: also from loopback, private and link-local addresses."
     ),
-    max_body_mb: float = typer.Option(32.0),
+    max_body_mb: float = typer.Option(32.0, help="Largest request body (data: URLs travel in it)."),
+    max_image_mb: float = typer.Option(
+        20.0, help="Largest local or remote image file the gateway reads (the broker's --max-image-mb still applies)."
+    ),
     timeout: float = typer.Option(0.0, help="Request deadline, seconds (0: the broker's --timeout, 120 s)."),
     default_max_tokens: int = typer.Option(
         0, help="max_tokens of a request that names none; 0: as many as fit in the context (as vLLM)."
@@ -418,7 +421,7 @@ def serve_http(
     try:
         cfg = GatewayConfig(
             broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
-            allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20),
+            allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20), max_image_bytes=int(max_image_mb * 2**20),
             request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
             log_format=log_format,
         )  # fmt: skip

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.client import MAX_TIMEOUT_S
 from epdq.errors import BrokerUnavailableError, ConfigError, EpdqError
+from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
 
@@ -64,8 +65,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
-        if self.max_body_bytes < 1 or self.max_image_bytes < 1:
-            raise ValueError("max_body_bytes and max_image_bytes must be > 0")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be > 0")
+        if not 1 <= self.max_image_bytes <= MAX_IMAGE_BYTES_LIMIT:  # the most any broker takes
+            raise ValueError(f"max_image_bytes must be in [1, {MAX_IMAGE_BYTES_LIMIT}]")
         if not (isinstance(self.request_timeout_s, (int, float)) and 0 <= self.request_timeout_s <= MAX_TIMEOUT_S):
             # the broker refuses longer deadlines: every request would fail
             raise ValueError(f"request_timeout_s must be in [0, {MAX_TIMEOUT_S:g}] s (0: the broker's --timeout)")
