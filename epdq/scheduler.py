@@ -608,9 +608,11 @@ class Scheduler:
                 f"{message[:300]}): check the encoders' --fetch-advertise and that PD workers can reach it"
             ))  # fmt: skip
         elif stale and not req.streamed and req.stale_reads < MAX_STALE_READS:
-            # a ring under pressure, not a failing worker: retried apart from max_pd_attempts
-            self.counters["stale_reads"] += 1
-            req.stale_reads += 1
+            # a ring under pressure (or an encoder out of reach), not a failing worker: retried apart
+            # from max_pd_attempts; stale_reads tells of ring pressure alone
+            if code != FetchFailedError.code:
+                self.counters["stale_reads"] += 1
+                req.stale_reads += 1
             for e in stale:
                 entry = self.index.get(e.key)
                 if entry is not None and entry.ref.generation == e.generation:

@@ -63,14 +63,15 @@ class RemoteFetcher:
                 oldest = next(iter(self._channels))
                 self._channels.pop(oldest).close()
             if not endpoint.startswith(("tcp://", "ipc://")) or endpoint_problem(endpoint):
-                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}")  # from the wire: the input's fault
+                # an encoder's advertised endpoint: its settings, not the client's input
+                raise FetchFailedError(f"bad fetch endpoint {endpoint[:64]!r}")
             try:
                 sock = make_socket(
                     self._ctx, zmq.DEALER, connect=endpoint, max_message_bytes=self._max_bytes,
                     security=self._security, server_public=self._server_public,
                 )  # fmt: skip
             except zmq.ZMQError as e:
-                raise InvalidInputError(f"bad fetch endpoint {endpoint[:64]!r}: {e}") from None
+                raise FetchFailedError(f"bad fetch endpoint {endpoint[:64]!r}: {e}") from None
             except ConfigError as e:  # e.g. no keys for a tcp endpoint off loopback: this link, not the client
                 raise FetchFailedError(f"cannot fetch from {endpoint[:64]!r}: {e.message}") from None
             ch = Channel(sock, self._on_frames)

@@ -65,3 +65,15 @@ async def test_a_fetch_endpoint_this_worker_may_not_use_fails_the_fetch_not_the_
     finally:
         fetcher.close()
         ctx.term()
+
+
+async def test_a_malformed_advertised_endpoint_fails_the_fetch_not_as_the_clients_input():
+    # it was InvalidInputError: HTTP 400 and invalid_requests for an encoder's bad --fetch-advertise
+    ctx = zmq.Context()
+    fetcher = RemoteFetcher(ctx, timeout_s=1)
+    try:
+        with pytest.raises(FetchFailedError, match="bad fetch endpoint"):
+            await fetcher.fetch(ref("udp://somewhere:1"))
+    finally:
+        fetcher.close()
+        ctx.term()

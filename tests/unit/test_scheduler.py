@@ -662,6 +662,6 @@ def test_an_encoder_pd_workers_cannot_reach_fails_its_requests_as_worker_lost(cl
         if of(acts, Fail):
             break
     (fail,) = of(acts, Fail)
-    assert gen == 3 and s.counters["fetch_failures"] == 3 and s.counters["stale_reads"] == 2
+    assert gen == 3 and s.counters["fetch_failures"] == 3 and s.counters["stale_reads"] == 0
     assert isinstance(fail.error, WorkerLostError)
     assert "tcp://10.9.9.9:1" in fail.error.message and "--fetch-advertise" in fail.error.message
