@@ -249,12 +249,12 @@ def up(
             # asyncio.run's own handler takes the first Ctrl-C after a SIGTERM to cancel this
             # (already ending) task and swallows it: from here on Ctrl-C must cut the drain short
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            if started:
-                typer.echo(f"stopping: new requests are refused, those in flight finish (at most {drain_timeout:g} s; "
-                           "Ctrl-C again stops at once)")  # fmt: skip
-            elif cluster.children:
-                typer.echo("stopping the processes started so far")
             try:
+                if started:
+                    typer.echo(f"stopping: new requests are refused, those in flight finish (at most "
+                               f"{drain_timeout:g} s; Ctrl-C again stops at once)")  # fmt: skip
+                elif cluster.children:
+                    typer.echo("stopping the processes started so far")
                 cluster.stop()
             except KeyboardInterrupt:
                 typer.echo("stopping now")

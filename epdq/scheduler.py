@@ -22,6 +22,7 @@ from epdq.errors import (
     BusyError,
     CancelledError,
     DeadlineExceededError,
+    EngineError,
     EpdqError,
     FetchFailedError,
     InvalidInputError,
@@ -629,7 +630,12 @@ class Scheduler:
                 "could read them: the rings are too small for this load (--ring-mb)", retry_after=1.0,
             ))  # fmt: skip
         else:
-            self._finish(req, error_from_code(code, message))
+            err = error_from_code(code, message)
+            if isinstance(err, CancelledError):
+                # not the client's cancel (that one finished the request already): the engine aborted
+                # it. Finished as a cancel, the client was told nothing.
+                err = EngineError(f"the engine aborted the request ({message})")
+            self._finish(req, err)
         self.dispatch()
 
     # ------------------------------------------------------------ dispatch

@@ -665,3 +665,15 @@ def test_an_encoder_pd_workers_cannot_reach_fails_its_requests_as_worker_lost(cl
     assert gen == 3 and s.counters["fetch_failures"] == 3 and s.counters["stale_reads"] == 0
     assert isinstance(fail.error, WorkerLostError)
     assert "tcp://10.9.9.9:1" in fail.error.message and "--fetch-advertise" in fail.error.message
+
+
+def test_a_request_the_engine_aborted_is_failed_to_its_client(clock):
+    # a PD worker's "cancelled" for a request its client did not cancel (vLLM aborted it) finished
+    # it as a cancel: no error went to the client, which waited for its deadline
+    s = make(clock)
+    acts = submit(s, "r1", [K(1)])
+    (enc,) = of(acts, SendEncode)
+    (pre,) = of(finish_encode(s, enc, gen=1), SendPrefill)
+    s.on_pd_failed(pre.worker_id, "r1", "cancelled", "request aborted", [])
+    (fail,) = of(s.take_actions(), Fail)
+    assert fail.rid == "r1" and fail.error.code == "engine" and "aborted" in fail.error.message
