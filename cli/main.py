@@ -340,12 +340,15 @@ def demo(
     ),
 ) -> None:
     """Start a cluster, send several multimodal requests, print outputs, TTFT and cache stats, stop."""
+    from epdq.cluster import ClusterSpec
     from epdq.demo import run_demo
 
     try:
-        ok = asyncio.run(run_demo(address=address, model=model, compare=compare, out=typer.echo))
-    except ValueError as e:  # the cluster's settings (ClusterSpec)
+        ClusterSpec(address=address, model=model)  # the settings, checked before anything starts
+    except ValueError as e:
         raise typer.BadParameter(_flag_names(str(e))) from None
+    try:
+        ok = asyncio.run(run_demo(address=address, model=model, compare=compare, out=typer.echo))
     except (RuntimeError, TimeoutError) as e:  # a process that failed to start: its log lines say why
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
