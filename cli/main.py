@@ -340,11 +340,11 @@ def demo(
     ),
 ) -> None:
     """Start a cluster, send several multimodal requests, print outputs, TTFT and cache stats, stop."""
-    from epdq.cluster import ClusterSpec
+    from epdq.cluster import Cluster, ClusterSpec
     from epdq.demo import run_demo
 
-    try:
-        ClusterSpec(address=address, model=model)  # the settings, checked before anything starts
+    try:  # the settings, checked before anything starts
+        Cluster(ClusterSpec(address=address, model=model, both=int(compare))).worker_configs()
     except ValueError as e:
         raise typer.BadParameter(_flag_names(str(e))) from None
     try:
