@@ -48,7 +48,7 @@ SCHEMA_TYPES = [t for t in T if t in P.SCHEMAS]  # BATCH is a container, fuzzed 
 NOOP_SCOPE = "noop-vision-v1"  # NoopVisionEngine.scope: a REGISTER with it is accepted as an encoder
 HIDDEN = 128  # no-op engines' hidden size
 # codes a PD_FAILED / ENCODE_FAILED / FETCHED may carry (epdq.errors)
-TYPED_CODES = {"invalid_input", "protocol", "stale", "deadline", "engine", "cancelled", "internal",
+TYPED_CODES = {"invalid_input", "protocol", "stale", "fetch_failed", "deadline", "engine", "cancelled", "internal",
                "ring_full", "busy", "worker_lost"}  # fmt: skip
 BROKER_HANDLED = {
     P.Submit, P.Cancel, P.StatsRequest, P.Ping, P.Register, P.Heartbeat, P.Bye,
