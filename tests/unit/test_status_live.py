@@ -43,7 +43,7 @@ async def test_live_view_reports_a_missing_broker_then_resumes(tmp_path, capsys)
         assert down[0]["error"] == "broker_unavailable" and down[0]["since"] == down[-1]["since"]
         broker = Broker(BrokerConfig(address=address), ctx=ctx)
         serving = asyncio.create_task(broker.serve())
-        await wait_for(lambda ls: "workers" in ls[-1], lines)  # the table is back
+        await wait_for(lambda ls: "workers" in ls[-1], lines, timeout=20)  # the table is back
         assert not viewer.done()
     finally:
         viewer.cancel()
