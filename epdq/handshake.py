@@ -102,9 +102,13 @@ class HandshakeWatch:
             problem = REFUSED.format(who=self.who)
         else:
             problem = FAILED.format(who=self.who)
+        self.refused = mismatch or event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         if problem != self.problem:
-            log.error("%s", problem, extra={"event": "curve_handshake_failed"})
-        self.problem, self.refused = problem, mismatch or event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            # a refusal handed to on_refused reaches the caller as an error: logged again, it printed
+            # twice on a CLI client's terminal
+            told = self.refused and self._on_refused is not None
+            log.log(logging.INFO if told else logging.ERROR, "%s", problem, extra={"event": "curve_handshake_failed"})
+        self.problem = problem
         if self.refused and self._on_refused is not None:
             self._on_refused(problem)
 
