@@ -120,7 +120,7 @@ _FLAGS = {
     "max_image_bytes": "--max-image-mb (in bytes)", "max_held_image_bytes": "--max-held-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
     "allow_private_urls": "--allow-private-urls",
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
-    "default_max_tokens": "--default-max-tokens", "log_format": "--log-format",
+    "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
 }  # fmt: skip
 
 
@@ -410,6 +410,7 @@ def serve_http(
     max_image_mb: float = typer.Option(
         20.0, help="Largest local or remote image file the gateway reads (the broker's --max-image-mb still applies)."
     ),
+    max_images: int = typer.Option(8, help="Images per request, refused before any is read (as the broker's default)."),
     timeout: float = typer.Option(0.0, help="Request deadline, seconds (0: the broker's --timeout, 120 s)."),
     default_max_tokens: int = typer.Option(
         0, help="max_tokens of a request that names none; 0: as many as fit in the context (as vLLM)."
@@ -425,6 +426,7 @@ def serve_http(
         cfg = GatewayConfig(
             broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
             allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20), max_image_bytes=int(max_image_mb * 2**20),
+            max_images=max_images,
             request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
             log_format=log_format,
         )  # fmt: skip

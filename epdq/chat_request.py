@@ -26,7 +26,12 @@ from epdq.errors import (
     InvalidInputError,
     WorkerLostError,
 )
-from epdq.protocol import MAX_TOKENS_LIMIT
+from epdq.protocol import MAX_MESSAGES, MAX_TOKENS_LIMIT
+
+# Bounds checked by the schema itself, so that a body of a million tiny parts is refused at the
+# first one too many instead of producing (and reporting) a million validation errors.
+MAX_CONTENT_PARTS = 128  # per message
+_ECHO = 100  # characters of a client's value echoed in an error
 
 if TYPE_CHECKING:
     from epdq.gateway import GatewayConfig
@@ -56,7 +61,11 @@ class ImagePart(_Model):
 
 class ChatMessageIn(_Model):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: (
+        str
+        | Annotated[list[Annotated[TextPart | ImagePart, Field(discriminator="type")]], Field(max_length=MAX_CONTENT_PARTS)]
+        | None
+    ) = None
     name: str | None = None
 
 
@@ -66,7 +75,7 @@ class StreamOptions(_Model):
 
 class ChatCompletionRequest(_Model):
     model: str
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -123,10 +132,11 @@ def parse_request(raw: bytes) -> ChatCompletionRequest:
     try:
         req = ChatCompletionRequest.model_validate_json(raw)
     except ValidationError as e:
-        errors = e.errors()
+        errors = e.errors(include_url=False, include_input=False)  # the input may be megabytes
         if not errors:
             raise bad_request("invalid request") from None
-        first = max(errors, key=lambda err: len(err.get("loc", ())))
+        # a list over its bound says more than the union's other branch ("should be a string")
+        first = max(errors, key=lambda err: (err.get("type") == "too_long", len(err.get("loc", ()))))
         where = ".".join(str(x) for x in first.get("loc", ()) if not _union_branch(x))
         raise bad_request(f"invalid request: {where}: {first.get('msg', 'invalid')}") from None
     bad = unsupported(req)
@@ -190,7 +200,7 @@ def http_error(exc: BaseException) -> HTTPError:
 def read_local_image(ref: str, allow_dir: str, max_bytes: int) -> bytes:
     """Bytes of a local file named by `ref` (a `file://` URL or a path, relative to `allow_dir`),
     only if its real path (symlinks resolved) lies inside `allow_dir` and it is a regular file."""
-    if ref.startswith("file:"):
+    if ref[:5].lower() == "file:":
         u = urlparse(ref)
         if u.netloc not in ("", "localhost"):
             raise bad_request("file: URLs must name a local file")
@@ -232,9 +242,24 @@ class _PrivateAddress(OSError):
 
 def _check_public(host: str, ip_text: str) -> None:
     ip = ipaddress.ip_address(ip_text.split("%", 1)[0])  # drop an IPv6 zone
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if not (mapped or ip).is_global:
-        raise _PrivateAddress(f"{host} is {ip_text}, not a public address")
+    # what the address says it is (global) is not enough: IPv6 forms that carry an IPv4 address
+    # reach that address through a translator (NAT64's 64:ff9b::/96 to 169.254.169.254, ...)
+    if not all(a.is_global and not a.is_multicast for a in (ip, *_embedded_ipv4(ip))):
+        # the resolved address stays in the gateway: a client must not map internal names with it
+        raise _PrivateAddress(f"{host[:_ECHO]} does not resolve to a public address")
+
+
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    if ip.version == 4:
+        return []
+    found = [a for a in (ip.ipv4_mapped, ip.sixtofour, (ip.teredo or (None, None))[1]) if a is not None]
+    if any(ip in net for net in (*_NAT64, _IPV4_COMPATIBLE)) or ip.packed[:12] == bytes(8) + b"\xff\xff\x00\x00":
+        found.append(ipaddress.IPv4Address(ip.packed[-4:]))  # NAT64, IPv4-compatible, SIIT (::ffff:0:a.b.c.d)
+    return found
 
 
 def _public_resolver() -> Any:
@@ -312,9 +337,12 @@ def _is_ip(host: str) -> bool:
 
 
 async def _image_part(url: str, cfg: GatewayConfig) -> dict:
-    if url.startswith("data:"):
-        return {"type": "image_url", "image_url": {"url": url}}  # decoded and validated by the client
-    scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("file:") else ""
+    if url[:5].lower() == "data:":
+        return {"type": "image_url", "image_url": {"url": "data:" + url[5:]}}  # decoded and validated by the client
+    try:
+        scheme = urlparse(url).scheme.lower() if "://" in url or url[:5].lower() == "file:" else ""
+    except ValueError as e:  # "http://[::1/": urllib refuses the bracketed host
+        raise bad_request(f"malformed image URL: {e}") from None
     if scheme in ("http", "https"):
         if not cfg.allow_remote_urls:
             raise bad_request(
@@ -332,6 +360,9 @@ async def _image_part(url: str, cfg: GatewayConfig) -> dict:
 
 
 async def to_epdq_messages(req: ChatCompletionRequest, cfg: GatewayConfig) -> list[dict]:
+    images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
+    if images > cfg.max_images:  # before reading or downloading any of them
+        raise bad_request(f"{images} images (limit {cfg.max_images} per request)")
     out: list[dict] = []
     for m in req.messages:
         role = "system" if m.role == "developer" else m.role

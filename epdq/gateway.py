@@ -29,10 +29,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.client import MAX_TIMEOUT_S
-from epdq.errors import BrokerUnavailableError, ConfigError, EpdqError
+from epdq.errors import BrokerUnavailableError, ConfigError, DeadlineExceededError, EpdqError
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
@@ -51,12 +52,17 @@ class GatewayConfig:
     allow_private_urls: bool = False  # ... also from loopback, private and link-local addresses
     max_body_bytes: int = 32 * 2**20
     max_image_bytes: int = 20 * 2**20  # local files and remote downloads
+    # image parts per request, counted before any is read or downloaded (the broker's --max-images
+    # still applies; this keeps a request naming a file a thousand times from reading it a thousand times)
+    max_images: int = 8
     request_timeout_s: float = 0.0  # the deadline handed to the broker per request; 0: the broker's --timeout
     # max_tokens for a request that names none; 0: as many as fit in the model's context (the
     # engine stops there), which is what vLLM's server does
     default_max_tokens: int = 0
     stream_prime_s: float = 2.0  # how long a stream waits for a first answer to give a real status
     remote_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0  # to receive a request's whole body (408 after)
+    stream_stall_s: float = 60.0  # a stream whose client reads nothing this long is cancelled (499)
     keys_dir: str = ""
     insecure: bool = False
     log_level: str = "info"
@@ -67,6 +73,8 @@ class GatewayConfig:
             raise ValueError("log_format must be text or json")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be > 0")
+        if not 1 <= self.max_images <= 64:  # 64: the most one request's message carries
+            raise ValueError("max_images must be in [1, 64]")
         if not 1 <= self.max_image_bytes <= MAX_IMAGE_BYTES_LIMIT:  # the most any broker takes
             raise ValueError(f"max_image_bytes must be in [1, {MAX_IMAGE_BYTES_LIMIT}]")
         if not (isinstance(self.request_timeout_s, (int, float)) and 0 <= self.request_timeout_s <= MAX_TIMEOUT_S):
@@ -74,6 +82,8 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s must be in [0, {MAX_TIMEOUT_S:g}] s (0: the broker's --timeout)")
         if not (0 < self.remote_timeout_s <= 600 and 0 <= self.stream_prime_s <= 600):
             raise ValueError("remote_timeout_s must be in (0, 600] and stream_prime_s in [0, 600]")
+        if not (0 < self.body_timeout_s <= 3600 and 0 < self.stream_stall_s <= 3600):
+            raise ValueError("body_timeout_s and stream_stall_s must be in (0, 3600]")
         if not 0 <= self.default_max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"default_max_tokens must be in [0, {MAX_TOKENS_LIMIT}] (0: as many as fit)")
         if not 0 < self.port < 65536:  # uvicorn would bind port % 65536 and print the number given
@@ -129,7 +139,7 @@ def _finish_record(rec: _Record, metrics: GatewayMetrics) -> None:
     log.info(
         "request %s %d %s images=%d prompt_tokens=%d tokens=%d ttft_s=%s total_s=%.3f%s%s", rec.request_id,
         rec.code, "stream" if rec.stream else "unary", rec.images, rec.prompt_tokens, rec.tokens, ttft, e2e,
-        f" upstream={rec.upstream_id}" if rec.upstream_id else "", f" error={rec.error!r}" if rec.error else "",
+        f" upstream={rec.upstream_id}" if rec.upstream_id else "", f" error={rec.error[:500]!r}" if rec.error else "",  # a client's text may be echoed in it
         extra={"request_id": rec.request_id, "event": "request_done", "status": rec.code,
                "upstream_request_id": rec.upstream_id or None, "tokens": rec.tokens,
                "prompt_tokens": rec.prompt_tokens, "images": rec.images, "ttft_s": rec.first_s,
@@ -148,19 +158,27 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HTTPError(
             413, f"request body larger than {limit} bytes", "invalid_request_error", "body_too_large"
         )
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise HTTPError(
-                413, f"request body larger than {limit} bytes", "invalid_request_error", "body_too_large"
-            )
+    try:
+        # a client that trickles its body (or sends none of it) must not hold a connection for ever
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise HTTPError(
+                        413, f"request body larger than {limit} bytes", "invalid_request_error", "body_too_large"
+                    )
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", "invalid_request_error",
+                        "request_timeout") from None  # fmt: skip
+    except ClientDisconnect:
+        raise asyncio.CancelledError from None  # gone mid-body: counted as 499, as any client that left
     return bytes(buf)
 
 
@@ -254,7 +272,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != config.model_name:
-            raise HTTPError(404, f"model {model_id!r} not found", "invalid_request_error", "model_not_found")
+            raise HTTPError(404, f"model {model_id[:100]!r} not found", "invalid_request_error", "model_not_found")
         return _model_card(config)
 
     @app.post("/v1/chat/completions")
@@ -279,11 +297,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 _finish_record(rec, metrics)
 
     async def _chat(request: Request, rec: _Record):
-        raw = await _read_body(request, config.max_body_bytes)
+        raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
         req = parse_request(raw)
         rec.stream = bool(req.stream)  # so a refused stream request is counted as one
         if req.model != config.model_name:
-            raise HTTPError(404, f"model {req.model!r} not found", "invalid_request_error", "model_not_found")
+            raise HTTPError(404, f"model {req.model[:100]!r} not found", "invalid_request_error", "model_not_found")
         kw = sampling_kwargs(req, config)
         messages = await to_epdq_messages(req, config)
         rec.images = sum(
@@ -318,8 +336,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         }  # fmt: skip
 
     async def _stream(request, client, messages, kw, rec, created, include_usage):
-        q: asyncio.Queue = asyncio.Queue()
+        # bounded: a client that reads nothing must not make the gateway hold its whole answer
+        q: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)
         rid = rec.request_id
+
+        async def hand(item: Any) -> None:
+            async with asyncio.timeout(config.stream_stall_s):
+                await q.put(item)
 
         async def pump() -> None:
             try:
@@ -328,8 +351,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     rec.token(len(d.token_ids))
                     if d.finish_reason is not None:
                         rec.prompt_tokens = d.prompt_tokens
-                    q.put_nowait(d)
-                q.put_nowait(_END)
+                    await hand(d)
+                await hand(_END)
+            except TimeoutError:  # the client read nothing for STREAM_STALL_S: upstream is cancelled
+                rec.code, rec.error = 499, "client stopped reading"
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(DeadlineExceededError(
+                    f"the client read nothing for {config.stream_stall_s:g} s: the request was cancelled"
+                ))  # fmt: skip
             except asyncio.CancelledError:
                 if rec.code == 200:  # the consumer went away mid-stream
                     rec.code, rec.error = 499, "client disconnected"
@@ -337,6 +367,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 # the status line went out as 200; the record (metrics, log) says how it really ended
                 rec.code, rec.error = http_error(e).status, str(e) or type(e).__name__
+                while q.full():  # the error goes after what the client has not read yet, if room
+                    q.get_nowait()
                 q.put_nowait(e)
 
         task = asyncio.create_task(pump())
@@ -410,6 +442,10 @@ def _model_card(config: GatewayConfig) -> dict:
 
 # a stream still open this long after SIGTERM is cut: a stop must end, as a worker's drain does
 GRACEFUL_SHUTDOWN_S = 30.0
+STREAM_BUFFER = 256  # stream deltas the gateway holds for a client that has not read them yet
+# connections and requests served at once; beyond them uvicorn answers 503 at once, so slow or
+# idle clients cannot pile up until the process runs out of file descriptors or memory
+MAX_CONCURRENCY = 2048
 
 
 def build_server(config: GatewayConfig, **uvicorn_kw: Any):
@@ -418,6 +454,7 @@ def build_server(config: GatewayConfig, **uvicorn_kw: Any):
     # uvicorn's loggers propagate to ours (one format for every line); its access log is replaced
     # by the gateway's own line per request, which carries the request id and timings
     uvicorn_kw.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
+    uvicorn_kw.setdefault("limit_concurrency", MAX_CONCURRENCY)
     ucfg = uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level=config.log_level,
         lifespan="on", proxy_headers=False, log_config=None, access_log=False, **uvicorn_kw,

@@ -424,12 +424,17 @@ async def test_remote_image_urls_reach_public_addresses_only(tmp_path):
         async with gateway(cluster.address, allow_remote_urls=True) as base, aiohttp.ClientSession() as http:
             for url in [f"http://127.0.0.1:{port}/cat.png", f"http://localhost:{port}/cat.png",
                         f"http://[::ffff:127.0.0.1]:{port}/cat.png", "http://169.254.169.254/latest/meta-data/",
-                        "http://10.1.2.3/x.png"]:  # fmt: skip
+                        "http://10.1.2.3/x.png",
+                        # IPv6 forms that carry an IPv4 address (NAT64, 6to4, IPv4-compatible), and
+                        # multicast: they passed as global
+                        f"http://[64:ff9b::7f00:1]:{port}/cat.png", "http://[2002:7f00:1::]/x.png",
+                        "http://[::127.0.0.1]/x.png", "http://224.0.0.1/x.png"]:  # fmt: skip
                 body = {"model": MODEL, "messages": image_message(url), "max_tokens": 2}
                 async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
                     err = (await resp.json())["error"]
                     assert resp.status == 400 and err["code"] == "url_not_allowed", (url, err)
-                    assert "not a public address" in err["message"]
+                    assert "does not resolve to a public address" in err["message"]
+                    assert "127.0.0.1 does" not in err["message"] or url.startswith("http://127.0.0.1")
         async with gateway(cluster.address, allow_remote_urls=True, allow_private_urls=True) as base:
             oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
             try:
@@ -486,3 +491,58 @@ async def test_health_is_503_while_the_broker_drains(tmp_path):
                 assert resp.status == 503 and body["status"] == "draining", body
             holding.cancel()
             await asyncio.gather(holding, return_exceptions=True)
+
+
+async def test_hostile_bodies_are_refused_cheaply_and_typed(tmp_path):
+    """Found by attacking the gateway: each used to cost memory, a 500, or reads it never needed."""
+    allow = tmp_path / "imgs"
+    allow.mkdir()
+    (allow / "cat.png").write_bytes(demo_image(7, (64, 64)))
+    async with Cluster(noop_spec(tmp_path)) as cluster:
+        async with gateway(cluster.address, allow_dir=str(allow), body_timeout_s=0.5) as base:
+            port = int(base.rsplit(":", 1)[1])
+            async with aiohttp.ClientSession() as http:
+
+                async def post(raw: bytes) -> tuple[int, dict]:
+                    async with http.post(f"{base}/v1/chat/completions", data=io.BytesIO(raw),
+                                         headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                        return resp.status, await resp.json()
+
+                # a million empty parts: a million validation errors (GBs, seconds of a blocked loop)
+                raw = b'{"model":"%s","messages":[{"role":"user","content":[' % MODEL.encode()
+                status, body = await post(raw + b",".join([b"{}"] * 1_000_000) + b"]}]}")
+                assert status == 400 and "at most 128 items" in body["error"]["message"], body
+                # 100 image parts naming one file: refused before reading it 100 times
+                part = {"type": "image_url", "image_url": {"url": "cat.png"}}
+                body = {"model": MODEL, "messages": [{"role": "user", "content": [part] * 100}]}
+                async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 400 and "100 images (limit 8" in (await resp.json())["error"]["message"]
+                # a bracketed host urllib cannot parse: it was a plain-text 500
+                body = {"model": MODEL, "messages": image_message("http://[::1/x.png")}
+                async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 400 and "malformed image URL" in (await resp.json())["error"]["message"]
+                # a 20 MiB model name is not echoed whole
+                status, body = await post(b'{"model":"' + b"A" * 100_000 + b'","messages":[{"role":"user","content":"x"}]}')
+                assert status == 404 and len(body["error"]["message"]) < 300
+
+            # a body that never arrives: 408 after body_timeout_s (the connection was held for ever)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")  # fmt: skip
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 408")
+            writer.close()
+            # a client that leaves mid-body: 499, not a 500 with a traceback
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            await writer.drain()
+            writer.close()
+            async with aiohttp.ClientSession() as http:
+                m = {}
+                for _ in range(100):
+                    m = await gateway_metrics(http, base)
+                    if m.get('epdq_gateway_requests_total{code="499",mode="unary"}'):
+                        break
+                    await asyncio.sleep(0.05)
+                assert m.get('epdq_gateway_requests_total{code="499",mode="unary"}') == 1, m
+                assert not m.get('epdq_gateway_requests_total{code="500",mode="unary"}')
