@@ -32,10 +32,13 @@ MODEL = "epdq-test"
 
 
 @contextlib.asynccontextmanager
-async def gateway(address: str, **kw):
-    """The gateway on 127.0.0.1 with an ephemeral port, in this event loop; yields its base URL."""
+async def gateway(address: str, *, sndbuf: int = 0, **kw):
+    """The gateway on 127.0.0.1 with an ephemeral port, in this event loop; yields its base URL.
+    `sndbuf`: the send buffer of its connections (they inherit it from the listening socket)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     cfg = GatewayConfig(address, host="127.0.0.1", port=port, model_name=MODEL, log_level="warning", **kw)
@@ -546,3 +549,32 @@ async def test_hostile_bodies_are_refused_cheaply_and_typed(tmp_path):
                     await asyncio.sleep(0.05)
                 assert m.get('epdq_gateway_requests_total{code="499",mode="unary"}') == 1, m
                 assert not m.get('epdq_gateway_requests_total{code="500",mode="unary"}')
+
+
+async def test_a_stream_nobody_reads_is_cancelled_not_buffered(tmp_path):
+    """The gateway queued every delta for a client that read nothing (8 MB per long stream, held
+    until the socket closed) and counted the request as a 200 when upstream finished."""
+    spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.002})  # 65 s for all
+    # small socket buffers on both ends: the kernel must not absorb what the client does not read
+    async with Cluster(spec) as cluster, gateway(cluster.address, stream_stall_s=1.0, sndbuf=4096) as base:
+        port = int(base.rsplit(":", 1)[1])
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 32768,
+                           "stream": True}).encode()  # fmt: skip
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1024)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        await writer.drain()
+        reader._transport.pause_reading()  # read nothing more
+        async with aiohttp.ClientSession() as http:
+            m: dict = {}
+            for _ in range(200):
+                m = await gateway_metrics(http, base)
+                if m.get('epdq_gateway_requests_total{code="499",mode="stream"}'):
+                    break
+                await asyncio.sleep(0.05)
+        writer.close()
+        assert m.get('epdq_gateway_requests_total{code="499",mode="stream"}') == 1, m
+        s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0, timeout=10)
+        assert s["counters"]["cancelled"] == 1  # upstream was cancelled, not run to 32,768 tokens
