@@ -157,11 +157,13 @@ def _union_branch(loc: Any) -> bool:
 
 class HTTPError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None
-    ):
+        self, status: int, message: str, type_: str, code: str, headers: dict[str, str] | None = None,
+        detail: str = "",
+    ):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
         self.headers = headers or {}
+        self.detail = detail or message  # for the gateway's log only: it may name internal addresses
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
@@ -186,7 +188,9 @@ def http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, DeadlineExceededError):
         return HTTPError(504, exc.message, "timeout_error", exc.code)
     if isinstance(exc, BrokerUnavailableError):
-        return HTTPError(503, exc.message, "service_unavailable_error", exc.code, {"Retry-After": "1"})
+        # the broker's address and state are for the operator's log, not for any HTTP client
+        return HTTPError(503, "the inference service is unavailable; retry later", "service_unavailable_error",
+                         exc.code, {"Retry-After": "1"}, detail=exc.message)  # fmt: skip
     if isinstance(exc, WorkerLostError):
         return HTTPError(502, exc.message, "upstream_error", exc.code)
     if isinstance(exc, EpdqError):

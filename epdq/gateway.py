@@ -284,7 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             rec.code = getattr(response, "status_code", 200)
             return response
         except HTTPError as e:
-            rec.code, rec.error = e.status, e.message
+            rec.code, rec.error = e.status, e.detail
             raise
         except asyncio.CancelledError:
             rec.code = 499

@@ -42,3 +42,12 @@ def test_make_socket_refuses_a_bad_endpoint_and_closes_it():
             make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:70000")
     finally:
         ctx.term()  # would hang if a socket had been left open
+
+
+def test_a_503_tells_the_client_nothing_of_the_brokers_address():
+    # "broker ipc:///tmp/.../b.sock silent for 5.0s" went to any HTTP client; it stays in the log
+    from epdq.chat_request import http_error
+    from epdq.errors import BrokerUnavailableError
+
+    err = http_error(BrokerUnavailableError("broker ipc:///tmp/x/b.sock silent for 5.0s"))
+    assert err.status == 503 and "ipc://" not in err.message and "ipc:///tmp/x/b.sock" in err.detail
