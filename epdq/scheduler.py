@@ -344,6 +344,14 @@ class Scheduler:
             if users:
                 continue
             del self.users[key]
+            job = self.jobs.get(key)
+            if job is not None and job.worker is None:
+                # queued, and nobody needs it any more: its image goes now, not when an encoder
+                # frees up (with encoders down, dead requests' images piled up past
+                # max_held_image_bytes); its queue slot is skipped, or swept by _compact_queues
+                del self.jobs[key]
+                self._jobs_by_id.pop(job.job_id, None)
+                job.image = None
             entry = self.index.get(key)
             if entry is not None and entry.pinned:
                 entry.pinned = False
@@ -368,6 +376,7 @@ class Scheduler:
             heapq.heapify(self._deadlines)
         self.held_image_bytes -= req.image_bytes
         self._unreference(req)
+        self._compact_queues()
         if error is None:
             self.counters["requests_completed"] += 1
         elif not isinstance(error, CancelledError):  # a client's cancel is counted apart ("cancelled")
@@ -376,6 +385,19 @@ class Scheduler:
                 self.counters["invalid_requests"] += 1
             error.request_id = req.rid
             self._emit(Fail(req.rid, req.client, error, req))
+
+    def _compact_queues(self) -> None:
+        """Drop the slots of finished requests and dropped jobs once they outnumber the live ones:
+        they are skipped only when a worker frees up, which may be never (no encoder registered)."""
+        q = self._encode_queue
+        if len(q) > 2 * len(self.jobs) + 1024:
+            self._encode_queue = deque(j for j in q if self._jobs_by_id.get(j.job_id) is j and j.worker is None)
+        for route, rq in self._ready.items():
+            if len(rq) > 2 * self.queued + 1024:
+                live = self.requests
+                self._ready[route] = deque(
+                    rid for rid in rq if (r := live.get(rid)) is not None and r.state is ReqState.READY
+                )
 
     def cancel(self, rid: str, client: bytes | None = None) -> bool:
         req = self.requests.get(rid)
@@ -631,6 +653,8 @@ class Scheduler:
             ))  # fmt: skip
         else:
             err = error_from_code(code, message)
+            if isinstance(err, DeadlineExceededError):  # the PD worker's timer fired before ours
+                self.counters["deadline_exceeded"] += 1
             if isinstance(err, CancelledError):
                 # not the client's cancel (that one finished the request already): the engine aborted
                 # it. Finished as a cancel, the client was told nothing.

@@ -677,3 +677,26 @@ def test_a_request_the_engine_aborted_is_failed_to_its_client(clock):
     s.on_pd_failed(pre.worker_id, "r1", "cancelled", "request aborted", [])
     (fail,) = of(s.take_actions(), Fail)
     assert fail.rid == "r1" and fail.error.code == "engine" and "aborted" in fail.error.message
+
+
+def test_dead_requests_release_their_queued_images_and_slots_at_once(clock):
+    # with no encoder free, jobs of requests that had ended kept their images (past
+    # max_held_image_bytes) and their queue slots until an encoder freed up
+    s = make(clock)
+    (enc,) = of(submit(s, "busy", [K(0)]), SendEncode)  # takes the only encoder slot
+    for i in range(1, 3001):
+        submit(s, f"r{i}", [i.to_bytes(16, "big")])
+        s.cancel(f"r{i}")
+    s.take_actions()
+    assert s.gauges()["encode_queue"] == 0 and s.held_image_bytes == len(b"img-" + K(0))
+    assert all(j.worker is not None for j in s.jobs.values())  # what is left was handed to encoders
+    assert all(j.image is None for j in s._encode_queue) and len(s._encode_queue) <= 2 * len(s.jobs) + 1024
+
+
+def test_a_deadline_the_pd_worker_reports_is_counted(clock):
+    s = make(clock)
+    (enc,) = of(submit(s, "r1", [K(1)]), SendEncode)
+    (pre,) = of(finish_encode(s, enc, gen=1), SendPrefill)
+    s.on_pd_failed(pre.worker_id, "r1", "deadline", "deadline passed on the PD worker", [])
+    (fail,) = of(s.take_actions(), Fail)
+    assert fail.error.code == "deadline" and s.counters["deadline_exceeded"] == 1
