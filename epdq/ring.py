@@ -434,6 +434,17 @@ class RingReader:
             self.forget(segment)
             raise StaleEmbeddingError(f"ring segment {segment} was removed")
 
+    def release_unlinked(self) -> list[str]:
+        """Unmap the segments whose encoder has left (file unlinked); returns their names. Those
+        no request names again were otherwise kept mapped (their pages alive) until 64 others had
+        pushed them out: every encoder restart held a ring's worth of memory in each PD worker."""
+        with self._lock:
+            attached = list(self._segments.items())
+        gone = [name for name, seg in attached if not os.fstat(seg.fd).st_nlink]
+        for name in gone:
+            self.forget(name)
+        return gone
+
     def forget(self, segment: str) -> None:
         with self._lock:
             seg = self._segments.pop(segment, None)

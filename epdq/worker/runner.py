@@ -380,7 +380,7 @@ async def _run_pd(
         )
         link = BrokerLink(
             cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
-            security=security, copy=not colocated, on_refused=lambda _reason: stop.set(),
+            heartbeat=worker.heartbeat, security=security, copy=not colocated, on_refused=lambda _reason: stop.set(),
         )  # fmt: skip
         worker.link = link
         on_loaded()

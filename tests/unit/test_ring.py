@@ -710,3 +710,21 @@ def test_the_stale_segment_sweep_survives_a_name_with_an_impossible_pid():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_segments_of_encoders_that_left_are_unmapped_without_another_read(reader):
+    # a segment nobody reads again stayed mapped (and its pages resident) until 64 others had
+    # pushed it out: each encoder restart held a whole ring in every PD worker (which now runs
+    # this with each heartbeat)
+    kept, left = RingWriter(MIN_CAPACITY), RingWriter(MIN_CAPACITY)
+    try:
+        for w in (kept, left):
+            t = f32(1024)
+            k = key()
+            assert torch.equal(read(reader, w, k, w.write(k, t), t), t)
+        left.close()  # unlinks its segment
+        assert reader.release_unlinked() == [left.name]
+        assert left.name not in reader._segments and kept.name in reader._segments
+        assert reader.release_unlinked() == []
+    finally:
+        kept.close()
