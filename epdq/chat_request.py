@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI does
+    # unknown fields are ignored, as OpenAI does; known ones strictly typed, as OpenAI checks them
+    # (`"max_tokens": true` was 1 token, `"stream": 1` a stream, `"temperature": "0.5"` 0.5)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageURL(_Model):

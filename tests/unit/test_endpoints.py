@@ -51,3 +51,21 @@ def test_a_503_tells_the_client_nothing_of_the_brokers_address():
 
     err = http_error(BrokerUnavailableError("broker ipc:///tmp/x/b.sock silent for 5.0s"))
     assert err.status == 503 and "ipc://" not in err.message and "ipc:///tmp/x/b.sock" in err.detail
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", True), ("max_tokens", 2.5), ("stream", 1), ("temperature", "0.5"), ("seed", "3")],
+)
+def test_known_fields_are_strictly_typed(field, value):
+    # lax pydantic took `"max_tokens": true` as 1 token, `"stream": 1` as a stream, "0.5" as 0.5
+    import json
+
+    from epdq.chat_request import HTTPError, parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(HTTPError) as ei:
+        parse_request(json.dumps(body).encode())
+    assert ei.value.status == 400 and field in ei.value.message
+    ok = parse_request(json.dumps({**body, field: None} if field != "stream" else {**body, field: True}).encode())
+    assert ok.model == "m"
