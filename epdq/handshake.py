@@ -60,10 +60,6 @@ def is_curve_client(sock: zmq.Socket) -> bool:
     return sock.getsockopt(zmq.MECHANISM) == zmq.CURVE and not sock.getsockopt(zmq.CURVE_SERVER)
 
 
-def _is_client(sock: zmq.Socket) -> bool:
-    return is_curve_client(sock) or sock.getsockopt(zmq.MECHANISM) == zmq.NULL
-
-
 class HandshakeWatch:
     """Follows `sock`'s handshakes. Attach before the socket connects (events are not replayed);
     `problem` is "" while the last handshake succeeded (or none has ended yet)."""
@@ -120,8 +116,9 @@ class HandshakeWatch:
 def watch_client(
     sock: zmq.Socket, who: str, on_refused: Callable[[str], None] | None = None
 ) -> HandshakeWatch | None:
-    """A watch on `sock` when it connects to a broker as a CURVE or a plaintext client, else None.
-    Plaintext ones too: a CURVE broker answers them only with a mechanism mismatch."""
-    return HandshakeWatch(sock, who, on_refused) if _is_client(sock) else None
+    """A watch on `sock` when it connects to a broker as a CURVE client, else None. Plaintext
+    clients are not watched: a monitor on every ipc socket of a process (a worker reconnecting
+    with short heartbeats) intermittently left its next connection without any traffic."""
+    return HandshakeWatch(sock, who, on_refused) if is_curve_client(sock) else None
 
 
