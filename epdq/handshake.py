@@ -50,10 +50,6 @@ BROKER_PLAINTEXT = (
     "the broker does not use CURVE (it runs with --insecure, in plaintext) while this {who} does: "
     "give this {who} --insecure too (loopback only), or start the broker with the cluster's keys (--keys-dir)"
 )
-BROKER_CURVE = (
-    "the broker uses CURVE while this {who} speaks plaintext (--insecure): drop --insecure and give this "
-    "{who} the cluster's keys ({who}.key_secret and broker.key, from `epdq keygen`; --keys-dir)"
-)
 
 
 def is_curve_client(sock: zmq.Socket) -> bool:
@@ -61,16 +57,15 @@ def is_curve_client(sock: zmq.Socket) -> bool:
 
 
 class HandshakeWatch:
-    """Follows `sock`'s handshakes. Attach before the socket connects (events are not replayed);
-    `problem` is "" while the last handshake succeeded (or none has ended yet)."""
+    """Follows a CURVE client socket's handshakes. Attach before the socket connects (events are
+    not replayed); `problem` is "" while the last handshake succeeded (or none has ended yet)."""
 
     def __init__(self, sock: zmq.Socket, who: str, on_refused: Callable[[str], None] | None = None):
         self.who = who
         self.problem = ""
         # ZeroMQ gave this connection up, for a reason retrying will not fix: the broker refused our
-        # key, or one side uses CURVE and the other does not
+        # key, or it does not use CURVE
         self.refused = False
-        self._curve = is_curve_client(sock)
         self._on_refused = on_refused
         addr = f"inproc://epdq-handshake-{next(_ids)}-{id(self):x}"
         sock.monitor(addr, _EVENTS)
@@ -91,9 +86,7 @@ class HandshakeWatch:
             and msg["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
         )
         if mismatch:
-            problem = (BROKER_PLAINTEXT if self._curve else BROKER_CURVE).format(who=self.who)
-        elif not self._curve:
-            return  # plaintext has no keys to get wrong; whatever else this is, silence will tell
+            problem = BROKER_PLAINTEXT.format(who=self.who)
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             problem = REFUSED.format(who=self.who)
         else:

@@ -631,19 +631,26 @@ def test_a_request_whose_images_cannot_share_the_ring_fails_at_once(clock):
     assert "A" not in s.requests and s.workers["enc-0"].credit >= 1  # the slot is free for C
 
 
-def test_stale_reads_are_retried_apart_from_pd_attempts_then_fail_as_busy(clock):
-    # ring pressure, not a failing worker: a request used to fail with a raw StaleEmbeddingError
-    # ("stale", in no table of README) after max_pd_attempts (3) replaced entries
-    s = make(clock)
+def fail_reads_until_it_fails(s, code: str, message: str) -> tuple[int, Fail]:
+    """Every PD read of r1's one image fails with `code` (re-encoded each time) until the request
+    fails; returns how many encodes it took and the Fail."""
     acts = submit(s, "r1", [K(1)])
     for gen in range(1, 20):
         (enc,) = of(acts, SendEncode)
         (pre,) = of(finish_encode(s, enc, gen=gen), SendPrefill)
-        s.on_pd_failed(pre.worker_id, "r1", "stale", "overwritten", [EntryId(K(1), gen)])
+        s.on_pd_failed(pre.worker_id, "r1", code, message, [EntryId(K(1), gen)])
         acts = s.take_actions()
         if of(acts, Fail):
             break
     (fail,) = of(acts, Fail)
+    return gen, fail
+
+
+def test_stale_reads_are_retried_apart_from_pd_attempts_then_fail_as_busy(clock):
+    # ring pressure, not a failing worker: a request used to fail with a raw StaleEmbeddingError
+    # ("stale", in no table of README) after max_pd_attempts (3) replaced entries
+    s = make(clock)
+    gen, fail = fail_reads_until_it_fails(s, "stale", "overwritten")
     assert gen == 9 and s.counters["stale_reads"] == 8
     assert isinstance(fail.error, BusyError) and "rings are too small" in fail.error.message
 
@@ -652,16 +659,7 @@ def test_an_encoder_pd_workers_cannot_reach_fails_its_requests_as_worker_lost(cl
     # a wrong --fetch-advertise used to cost 8 re-encodes of 10 s each, then a BusyError blaming
     # the rings' size, and no warning in the broker's log
     s = make(clock)
-    acts = submit(s, "r1", [K(1)])
-    for gen in range(1, 20):
-        (enc,) = of(acts, SendEncode)
-        (pre,) = of(finish_encode(s, enc, gen=gen), SendPrefill)
-        s.on_pd_failed(pre.worker_id, "r1", "fetch_failed", "encoder enc-0 at tcp://10.9.9.9:1 did not answer",
-                       [EntryId(K(1), gen)])  # fmt: skip
-        acts = s.take_actions()
-        if of(acts, Fail):
-            break
-    (fail,) = of(acts, Fail)
+    gen, fail = fail_reads_until_it_fails(s, "fetch_failed", "encoder enc-0 at tcp://10.9.9.9:1 did not answer")
     assert gen == 3 and s.counters["fetch_failures"] == 3 and s.counters["stale_reads"] == 0
     assert isinstance(fail.error, WorkerLostError)
     assert "tcp://10.9.9.9:1" in fail.error.message and "--fetch-advertise" in fail.error.message
