@@ -138,7 +138,7 @@ async def test_client_against_the_other_mechanism_fails_at_once_as_config(tmp_pa
             t0 = time.monotonic()
             with pytest.raises(ConfigError, match="does not use CURVE .*--insecure"):
                 await c.stats(timeout=5.0)
-            assert time.monotonic() - t0 < 2.0  # not after the 5 s of silence
+            assert time.monotonic() - t0 < 4.5  # not after the 5 s of silence (ZeroMQ retries once or twice first)
             # a fresh connection: ZeroMQ may first report a handshake failed without detail, so the
             # answer comes at once or after the silence, naming the plaintext broker either way
             with pytest.raises((ConfigError, BrokerUnavailableError), match="does not use CURVE|--insecure"):
