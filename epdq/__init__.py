@@ -29,6 +29,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'epdq' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CLIENT_NAMES))
+
+
 __all__ = [
     *_CLIENT_NAMES, "EpdqError", "BusyError", "InvalidInputError", "DeadlineExceededError", "WorkerLostError",
     "BrokerUnavailableError", "CancelledError", "EngineError", "ProtocolError", "ConfigError", "InternalError",

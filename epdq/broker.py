@@ -36,7 +36,6 @@ from epdq.transport import (
 
 log = logging.getLogger("epdq.broker")
 
-MAX_TOKENS_LIMIT = P.MAX_TOKENS_LIMIT
 _ZERO_COPY_BYTES = 64 * 1024  # smaller payloads are copied by ZeroMQ anyway
 
 
@@ -328,15 +327,10 @@ class Broker:
             P.validate_messages(msg.messages, msg.n_images)
         except ProtocolError as e:
             raise InvalidInputError(e.message) from None
-        s = msg.sampling
-        if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
-            raise InvalidInputError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}]")
-        if not (0.0 <= s.temperature <= 2.0 and 0.0 < s.top_p <= 1.0):
-            raise InvalidInputError("temperature must be in [0, 2] and top_p in (0, 1]")
-        if s.seed is not None and not P.SEED_MIN <= s.seed <= P.SEED_MAX:
-            raise InvalidInputError("seed must be a 64-bit signed integer")
-        if len(s.stop) > 16 or any(not 0 < len(x) <= 256 for x in s.stop):
-            raise InvalidInputError("at most 16 stop strings of 1..256 characters")
+        try:
+            P.validate_sampling(msg.sampling)
+        except ProtocolError as e:
+            raise InvalidInputError(e.message) from None
         if msg.timeout_s < 0:
             raise InvalidInputError("timeout must be >= 0 (0 = broker default)")
         for i, f in enumerate(payload):

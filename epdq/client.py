@@ -13,7 +13,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ class Delta:
     finish_reason: str | None = None
     request_id: str = ""  # the broker's id of the request (as in its logs)
     prompt_tokens: int = 0  # on the last delta: the prompt's length in the engine (images expanded)
+    timings: Timings | None = None  # on the last delta: as `GenerateResult.timings`
 
 
 @dataclass(slots=True)
@@ -198,9 +199,6 @@ class AsyncClient:
     def _on_refused(self, problem: str) -> None:
         """The broker refused our key; ZeroMQ will not retry. Everything in flight fails now."""
         self._fail_all(ConfigError(problem))
-        for fut in self._stats_waiters.values():
-            if not fut.done():
-                fut.set_exception(ConfigError(problem))
 
     def _handshake_problem(self) -> str:
         return f" ({self._handshakes.problem})" if self._handshakes is not None and self._handshakes.problem else ""
@@ -227,6 +225,9 @@ class AsyncClient:
     def _fail_all(self, err: EpdqError) -> None:
         for rid, q in list(self._streams.items()):
             q.put_nowait(type(err)(err.message, request_id=rid))
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(type(err)(err.message))
 
     async def close(self) -> None:
         ch = self._channel
@@ -291,13 +292,29 @@ class AsyncClient:
 
     # ------------------------------------------------------------ API
 
-    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        images: Sequence[Any] = (),
+        messages: list[dict] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Iterable[str] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        route: str = "auto",
+    ) -> GenerateResult:
         """Run one request to completion. Arguments as in `stream`.
 
         Token messages are collected as they arrive into one future (no queue, no generator):
         the same messages, errors and deadline as `stream`, for less work per request."""
         ch = self._require_channel()
-        rid, frames, copy, timeout = self._prepare(prompt, **kwargs)
+        rid, frames, copy, timeout = self._prepare(
+            prompt, images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos, timeout, route
+        )
         loop = asyncio.get_running_loop()
         sink = _Collector(rid, loop.create_future())
         self._streams[rid] = sink
@@ -316,27 +333,85 @@ class AsyncClient:
                     self._channel.send(P.encode(P.Cancel(rid)))
                 except zmq.ZMQError:
                     pass
-        bt = final.timings or P.Timings()
-        n = sink.n_tokens
-        tim = Timings(
-            ttft_s=(sink.first - sink.t0) if n else 0.0,
-            tpot_s=(sink.last - sink.first) / (n - 1) if n > 1 else 0.0,
-            total_s=sink.end - sink.t0,
-            encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images,
-            cache_hits=bt.cache_hits, route=bt.route,
-        )  # fmt: skip
+        tim = _timings(final.timings, sink.t0, sink.first, sink.last, sink.end, sink.n_tokens)
         return GenerateResult(rid, "".join(sink.text), sink.ids, final.finish_reason, tim, final.prompt_tokens)
 
-    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
-        """Yield deltas (`text`, `token_ids`) as tokens arrive; the last has `finish_reason`.
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        images: Sequence[Any] = (),
+        messages: list[dict] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Iterable[str] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        route: str = "auto",
+    ) -> AsyncIterator[Delta]:
+        """Yield deltas (`text`, `token_ids`) as tokens arrive; the last has `finish_reason`,
+        `prompt_tokens` and `timings`.
 
-        Keyword arguments: images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos,
-        timeout, route ("auto" | "epd" | "colocated"). Breaking out of the loop or cancelling the task
-        cancels the request on the broker and the PD worker.
+        `images`: paths, bytes, base64 `data:` URLs or PIL images (or `messages`, OpenAI-style
+        content parts, instead of prompt and images). `stop`: a string or strings. `timeout`:
+        seconds (None: the broker's --timeout). `route`: "auto" | "epd" | "colocated". Breaking
+        out of the loop or cancelling the task cancels the request on the broker and the PD worker.
         """
-        async for d in self._run(prompt, **kwargs):
-            if not isinstance(d, tuple):
-                yield d
+        ch = self._require_channel()
+        rid, frames, copy, timeout = self._prepare(
+            prompt, images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos, timeout, route
+        )
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._streams[rid] = q
+        t0 = time.perf_counter()
+        first = last = 0.0
+        n_tokens = 0
+        done = False
+        try:
+            ch.send(frames, copy=copy)
+            deadline = time.monotonic() + timeout + _GRACE_S
+            while True:
+                try:
+                    if q.empty():
+                        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                        # that races with the queue item arriving, and the request would run on
+                        async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
+                            msg = await q.get()
+                    else:
+                        msg = q.get_nowait()
+                except TimeoutError:
+                    raise DeadlineExceededError(
+                        f"no result within {timeout}s (+{_GRACE_S}s grace)", request_id=rid
+                    ) from None
+                if isinstance(msg, EpdqError):
+                    done = True
+                    raise msg
+                if isinstance(msg, P.Error):
+                    done = True
+                    raise error_from_code(msg.code, msg.message, request_id=rid, retry_after=msg.retry_after)
+                now = time.perf_counter()
+                if msg.token_ids:
+                    if n_tokens == 0:
+                        first = now
+                    n_tokens += len(msg.token_ids)
+                    last = now
+                if msg.finish_reason is None:
+                    yield Delta(msg.text, list(msg.token_ids), None, rid)
+                    continue
+                done = True
+                tim = _timings(msg.timings, t0, first, last, now, n_tokens)
+                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason, rid, msg.prompt_tokens, tim)
+                return
+        finally:
+            self._streams.pop(rid, None)
+            if not done and self._channel is not None:
+                try:
+                    self._channel.send(P.encode(P.Cancel(rid)))
+                except zmq.ZMQError:
+                    pass
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The broker's counters, gauges and workers."""
@@ -374,23 +449,22 @@ class AsyncClient:
 
     def _prepare(
         self,
-        prompt: str | None = None,
-        *,
-        images: Sequence[Any] = (),
-        messages: list[dict] | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Iterable[str] | None = None,
-        ignore_eos: bool = False,
-        timeout: float | None = None,
-        route: str = "auto",
+        prompt: str | None,
+        images: Any,
+        messages: Any,
+        max_tokens: Any,
+        temperature: Any,
+        top_p: Any,
+        seed: Any,
+        stop: Any,
+        ignore_eos: Any,
+        timeout: Any,
+        route: Any,
     ) -> tuple[str, list[Any], bool, float]:
         """Validate arguments; (request id, SUBMIT frames, copy flag, timeout).
 
-        Types are checked here, so that nothing the broker would drop as a malformed message
-        (leaving the caller to wait for its deadline) is sent; value ranges are the broker's."""
+        Types and value ranges are checked here, so that nothing the broker would refuse is sent
+        (a refused request would have uploaded its images first)."""
         chat, blobs = build_messages(prompt, images, messages)
         if len(blobs) > P.MAX_PAYLOAD_FRAMES:
             raise InvalidInputError(f"{len(blobs)} images; the protocol carries at most {P.MAX_PAYLOAD_FRAMES}")
@@ -423,67 +497,6 @@ class AsyncClient:
             # the broker reads our messages in order: its PONGs wait behind these bytes
             self._upload_until = max(self._upload_until, time.monotonic()) + nbytes / _SLOWEST_LINK_BPS
         return rid, head + blobs, nbytes < _ZERO_COPY_BYTES, MAX_TIMEOUT_S if timeout is None else float(timeout)
-
-    async def _run(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta | tuple]:
-        ch = self._require_channel()
-        rid, frames, copy, timeout = self._prepare(prompt, **kwargs)  # the arguments are _prepare's
-        q: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._streams[rid] = q
-        t0 = time.perf_counter()
-        first = last = 0.0
-        n_tokens = 0
-        done = False
-        try:
-            ch.send(frames, copy=copy)
-            deadline = time.monotonic() + timeout + _GRACE_S
-            while True:
-                try:
-                    if q.empty():
-                        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-                        # that races with the queue item arriving, and the request would run on
-                        async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
-                            msg = await q.get()
-                    else:
-                        msg = q.get_nowait()
-                except TimeoutError:
-                    raise DeadlineExceededError(
-                        f"no result within {timeout}s (+{_GRACE_S}s grace)", request_id=rid
-                    ) from None
-                if isinstance(msg, EpdqError):
-                    done = True
-                    raise msg
-                if isinstance(msg, P.Error):
-                    done = True
-                    raise error_from_code(msg.code, msg.message, request_id=rid, retry_after=msg.retry_after)
-                now = time.perf_counter()
-                if msg.token_ids:
-                    if n_tokens == 0:
-                        first = now
-                    n_tokens += len(msg.token_ids)
-                    last = now
-                if msg.finish_reason is not None:
-                    done = True
-                yield Delta(msg.text, list(msg.token_ids), msg.finish_reason, rid, msg.prompt_tokens)
-                if done:
-                    bt = msg.timings or P.Timings()
-                    tim = Timings(
-                        ttft_s=(first - t0) if n_tokens else 0.0,
-                        tpot_s=(last - first) / (n_tokens - 1) if n_tokens > 1 else 0.0,
-                        total_s=now - t0,
-                        encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images,
-                        cache_hits=bt.cache_hits, route=bt.route,
-                    )  # fmt: skip
-                    yield (rid, msg.finish_reason, tim)
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not done and self._channel is not None:
-                try:
-                    self._channel.send(P.encode(P.Cancel(rid)))
-                except zmq.ZMQError:
-                    pass
-
 
 class _Collector:
     """Where `generate` receives its request's messages (`put_nowait`, like the stream queue)."""
@@ -533,6 +546,17 @@ class _Collector:
             )
 
 
+def _timings(bt: P.Timings | None, t0: float, first: float, last: float, end: float, n_tokens: int) -> Timings:
+    """The client's clock (ttft, tpot, total) and the broker's (encode, queue, images, cache hits)."""
+    bt = bt or P.Timings()
+    return Timings(
+        ttft_s=(first - t0) if n_tokens else 0.0,
+        tpot_s=(last - first) / (n_tokens - 1) if n_tokens > 1 else 0.0,
+        total_s=end - t0,
+        encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images, cache_hits=bt.cache_hits, route=bt.route,
+    )  # fmt: skip
+
+
 def build_messages(
     prompt: str | None, images: Sequence[Any], messages: list[dict] | None
 ) -> tuple[list[P.ChatMessage], list[bytes]]:
@@ -569,7 +593,7 @@ def _sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: An
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise InvalidInputError(f"max_tokens must be an integer, not {max_tokens!r:.40}")
     if not 1 <= max_tokens <= P.MAX_TOKENS_LIMIT:  # (beyond 2**64 it could not even be encoded)
-        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], got {max_tokens!r:.40}")
+        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], not {max_tokens!r:.40}")
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if not _is_number(v):
             raise InvalidInputError(f"{name} must be a finite number, not {v!r:.40}")
@@ -579,11 +603,20 @@ def _sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: An
         stop = [stop]
     elif stop is None:
         stop = []
-    elif not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-        raise InvalidInputError("stop must be a string or a list of strings")
+    elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+        raise InvalidInputError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
+    else:
+        stop = list(stop)
+        if not all(isinstance(x, str) for x in stop):
+            raise InvalidInputError("stop must be a string or a list of strings")
     if not isinstance(ignore_eos, bool):
         raise InvalidInputError("ignore_eos must be True or False")
-    return P.Sampling(max_tokens, float(temperature), float(top_p), seed, list(stop), ignore_eos)
+    s = P.Sampling(max_tokens, float(temperature), float(top_p), seed, stop, ignore_eos)
+    try:
+        P.validate_sampling(s)  # the broker's ranges, checked before anything is sent
+    except ProtocolError as e:
+        raise InvalidInputError(e.message) from None
+    return s
 
 
 def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[bytes]]:

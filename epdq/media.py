@@ -16,6 +16,7 @@ upright.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import io
 import os
@@ -71,7 +72,7 @@ def load_image_bytes(image: Any, *, max_bytes: int = MAX_IMAGE_BYTES_LIMIT) -> b
     """Client side: a path, a base64 data: URL, bytes-like object or PIL image, as the bytes to send."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
-    elif isinstance(image, str) and image.startswith("data:"):
+    elif isinstance(image, str) and image[:5].lower() == "data:":
         data = decode_data_url(image)
     elif isinstance(image, str) and image.lower().startswith(("http://", "https://")):
         raise InvalidInputError(
@@ -155,11 +156,15 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         # O_NONBLOCK: a FIFO swapped in for the file must not hang the open; checked below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as e:
-        raise InvalidInputError(f"cannot open image file {os.fspath(path)!r}: {e}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        hint = "" if isinstance(e, OSError) and e.errno not in (errno.ENOENT, errno.ENAMETOOLONG) else (
+            " (image data goes as bytes or a base64 data: URL, not as a bare string)"
+        )  # fmt: skip
+        raise InvalidInputError(f"cannot open image file {_shown(path)}: {why}{hint}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(f"image path {os.fspath(path)!r} is not a regular file")
+            raise InvalidInputError(f"image path {_shown(path)} is not a regular file")
         if st.st_size > max_bytes:
             raise InvalidInputError(f"image file is {st.st_size} bytes (limit {max_bytes})")
     except BaseException:
@@ -170,6 +175,12 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise InvalidInputError(f"image file is over {max_bytes} bytes")
     return data
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """A path for an error message: a string that was never a path (base64 pasted in) can be megabytes."""
+    p = os.fspath(path)
+    return repr(p) if len(p) <= 200 else f"{p[:80]!r}... ({len(p)} characters)"
 
 
 def is_pil_image(obj: Any) -> bool:

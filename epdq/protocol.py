@@ -481,6 +481,27 @@ def validate_messages(messages: list[ChatMessage], n_images: int) -> None:
         raise ProtocolError(f"messages reference {images} images but {n_images} were sent")
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def validate_sampling(s: Sampling) -> None:
+    """Value ranges of sampling parameters, shared by the client (before it sends) and the broker."""
+    if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
+        raise ProtocolError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], not {s.max_tokens}")
+    if not 0.0 <= s.temperature <= 2.0:  # NaN fails both
+        raise ProtocolError(f"temperature must be in [0, 2], not {s.temperature!r}")
+    if not 0.0 < s.top_p <= 1.0:
+        raise ProtocolError(f"top_p must be in (0, 1], not {s.top_p!r}")
+    if s.seed is not None and not SEED_MIN <= s.seed <= SEED_MAX:
+        raise ProtocolError("seed must be a 64-bit signed integer")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"{len(s.stop)} stop strings (at most {MAX_STOP_STRINGS})")
+    for x in s.stop:
+        if not 0 < len(x) <= MAX_STOP_CHARS:
+            raise ProtocolError(f"a stop string must have 1..{MAX_STOP_CHARS} characters, not {len(x)}")
+
+
 def messages_to_openai(messages: list[ChatMessage]) -> list[dict]:
     """The OpenAI-style dicts the engines' chat templates take."""
     out = []

@@ -485,6 +485,10 @@ async def test_a_broker_speaking_another_protocol_fails_requests_at_once(tmp_pat
                 elif isinstance(msg, P.Submit):  # a TOKENS with a field this release does not know
                     header = msgspec.msgpack.encode([msg.request_id, [1], "x", "stop", None, 3, "new field"])
                     await router.send_multipart([ident, bytes([P.MsgType.TOKENS]), header])
+                elif isinstance(msg, P.StatsRequest):
+                    typ, header = P.encode(P.Stats(msg.nonce, {}, {}, []))
+                    header = msgspec.msgpack.encode([*msgspec.msgpack.decode(header), "new field"])
+                    await router.send_multipart([ident, typ, header])
 
     server = asyncio.create_task(old_broker())
     try:
@@ -492,6 +496,11 @@ async def test_a_broker_speaking_another_protocol_fails_requests_at_once(tmp_pat
             t0 = time.monotonic()
             with pytest.raises(ProtocolError, match=f"another epdq release.*protocol version {P.PROTOCOL_VERSION}"):
                 await c.generate("hello", max_tokens=2)
+            assert time.monotonic() - t0 < 10
+            # stats() too: it waited out its timeout and blamed an unreachable broker
+            t0 = time.monotonic()
+            with pytest.raises(ProtocolError, match="another epdq release"):
+                await c.stats(timeout=30)
             assert time.monotonic() - t0 < 10
     finally:
         server.cancel()

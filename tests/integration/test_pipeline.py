@@ -140,15 +140,20 @@ async def test_concurrent_duplicates_are_encoded_once(local_cluster):
 async def test_stream_matches_generate(local_cluster):
     async with AsyncClient(local_cluster.address) as c:
         full = await c.generate("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd")
-        ids, text, finish, n_prompt = [], [], None, 0
+        ids, text, deltas = [], [], []
         async for d in c.stream("Stream me.", images=[img(61)], max_tokens=MAX_TOKENS, route="epd"):
             ids += d.token_ids
             text.append(d.text)
-            finish = d.finish_reason or finish
-            n_prompt = d.prompt_tokens or n_prompt
-    assert ids == full.token_ids and "".join(text) == full.text and finish == full.finish_reason
-    assert n_prompt == full.prompt_tokens > 0
+            deltas.append(d)
+    last = deltas[-1]
+    assert ids == full.token_ids and "".join(text) == full.text and last.finish_reason == full.finish_reason
+    assert all(d.finish_reason is None and d.timings is None for d in deltas[:-1])
+    assert last.prompt_tokens == full.prompt_tokens > 0
     assert full.timings.ttft_s > 0 and full.timings.total_s >= full.timings.ttft_s
+    # the last delta carries the timings generate() returns (streams used to get none)
+    t = last.timings
+    assert t is not None and 0 < t.ttft_s <= t.total_s and t.images == 1 and t.route == "epd"
+    assert t.cache_hits == 1  # the same image as generate's, resident
 
 
 async def test_cancel_reaches_the_pd_worker(local_cluster):

@@ -3,6 +3,8 @@ such a SUBMIT as a malformed message, and the caller would wait for its deadline
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import os
 
@@ -17,6 +19,13 @@ def client():
     return AsyncClient("ipc:///nonexistent/epdq-test.sock")  # never connected: _prepare sends nothing
 
 
+def prepare(client: AsyncClient, prompt=None, **kwargs):
+    """`_prepare` with generate()'s defaults, as generate and stream call it."""
+    bound = inspect.signature(AsyncClient.generate).bind(client, prompt, **kwargs)
+    bound.apply_defaults()
+    return client._prepare(*list(bound.arguments.values())[1:])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -26,6 +35,16 @@ def client():
         (dict(max_tokens=2.5), "max_tokens must be an integer"),
         (dict(max_tokens="4"), "max_tokens must be an integer"),
         (dict(temperature="hot"), "temperature must be a finite number"),
+        # value ranges too: these were sent (images uploaded first) and refused by the broker
+        (dict(temperature=5), r"temperature must be in \[0, 2\], not 5.0"),
+        (dict(temperature=-0.1), r"temperature must be in \[0, 2\]"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\], not 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(stop=["x"] * 17), r"17 stop strings \(at most 16\)"),
+        (dict(stop=""), "a stop string must have 1..256 characters, not 0"),
+        (dict(stop=["y" * 257]), "a stop string must have 1..256 characters, not 257"),
+        (dict(stop=b"x"), "stop must be a string or a list of strings, not bytes"),
+        (dict(stop={"a": 1}), "stop must be a string or a list of strings, not dict"),
         (dict(top_p=math.nan), "top_p must be a finite number"),
         (dict(stop=[1]), "stop must be"),
         (dict(stop=5), "stop must be"),
@@ -55,7 +74,7 @@ def client():
 def test_bad_arguments_are_refused_before_sending(client, kwargs, match):
     prompt = None if "messages" in kwargs else kwargs.pop("prompt", "hi")
     with pytest.raises(InvalidInputError, match=match):
-        client._prepare(prompt, **kwargs)
+        prepare(client, prompt, **kwargs)
 
 
 def test_one_image_may_be_given_bare(client):
@@ -65,7 +84,7 @@ def test_one_image_may_be_given_bare(client):
 
     png = demo_image(1, (16, 16))
     for one in (png, bytearray(png), Image.open(__import__("io").BytesIO(png)), None, ()):
-        _, frames, _, _ = client._prepare("hi", images=one)
+        _, frames, _, _ = prepare(client, "hi", images=one)
         assert len(frames) == 2 + (one not in (None, ())), type(one)
 
 
@@ -97,8 +116,8 @@ def test_bad_client_settings_are_refused_at_construction(args, kwargs, error, ma
 
 
 def test_good_arguments_make_a_decodable_submit(client):
-    rid, frames, _, timeout = client._prepare(
-        None, messages=[{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}],
+    rid, frames, _, timeout = prepare(
+        client, None, messages=[{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}],
         max_tokens=3, temperature=1, top_p=0.5, seed=-(2**63), stop="\n", ignore_eos=True, timeout=2,
     )  # fmt: skip
     msg, payload = P.decode(frames)
@@ -106,5 +125,31 @@ def test_good_arguments_make_a_decodable_submit(client):
     assert msg.sampling == P.Sampling(3, 1.0, 0.5, -(2**63), ["\n"], True)
     assert timeout == 2.0 and type(timeout) is float
     # no timeout: 0 on the wire, so the broker applies its own --timeout
-    _, frames, _, _ = client._prepare("hi")
+    _, frames, _, _ = prepare(client, "hi")
     assert P.decode(frames)[0].timeout_s == 0.0
+
+
+def test_stop_strings_may_come_in_any_iterable(client):
+    for stop in (("a", "b"), {"a"}, (x for x in ["a"]), {"a": 1}.keys()):
+        _, frames, _, _ = prepare(client, "hi", stop=stop)
+        assert set(P.decode(frames)[0].sampling.stop) <= {"a", "b"}, stop
+
+
+async def test_a_connected_client_refuses_out_of_range_values_at_once():
+    # no broker behind the address: anything sent would wait 5 s for BrokerUnavailableError
+    async with AsyncClient("ipc:///nonexistent/epdq-test.sock") as c:
+        async with asyncio.timeout(1):
+            with pytest.raises(InvalidInputError, match="temperature"):
+                await c.generate("hi", temperature=5)
+            with pytest.raises(InvalidInputError, match="top_p"):
+                async for _ in c.stream("hi", top_p=0):
+                    pass
+
+
+def test_generate_and_stream_show_their_keywords():
+    documented = ["prompt", "images", "messages", "max_tokens", "temperature", "top_p", "seed", "stop",
+                  "ignore_eos", "timeout", "route"]  # fmt: skip
+    for fn in (AsyncClient.generate, AsyncClient.stream):
+        assert list(inspect.signature(fn).parameters)[1:] == documented
+    with pytest.raises(TypeError, match="generate"):
+        AsyncClient("ipc:///x").generate("hi", tokens=3).close()
