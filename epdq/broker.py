@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -23,7 +24,7 @@ from epdq.keys import security_for
 from epdq.media import MAX_IMAGE_BYTES_LIMIT, image_key, sniff_format
 from epdq.metrics import Histogram, MetricsServer, render_family
 from epdq.scheduler import Scheduler, SchedulerConfig
-from epdq.security import authenticator_for
+from epdq.security import WORKER_KEY_GLOB, authenticator_for, curve_required, load_worker_keys
 from epdq.transport import (
     MAX_MESSAGE_BYTES_DEFAULT,
     Channel,
@@ -138,8 +139,9 @@ class Broker:
         self._by_id: dict[str, _Peer] = {}
         self._clients: dict[bytes, set[str]] = {}  # client identity -> live request ids
         self._client_seen: dict[bytes, float] = {}
-        self.counters = {"protocol_errors": 0, "messages_in": 0}
+        self.counters = {"protocol_errors": 0, "messages_in": 0, "refused_registrations": 0}
         self.channel: Channel | None = None
+        self._allow_dir: Path | None = None  # CURVE: where the worker keys are
         self.endpoint = ""
         self._stop = asyncio.Event()
         self.started_at = time.monotonic()
@@ -156,9 +158,13 @@ class Broker:
         sock = make_socket(
             self._ctx, zmq.ROUTER, bind=self.cfg.address, max_message_bytes=frame_cap, security=security,
         )  # fmt: skip
+        # CURVE: every allowed key may send requests, only worker keys may register workers (a client
+        # key that registered would be sent other clients' prompts and images, and could answer them)
+        curve = curve_required(self.cfg.address, security)
+        self._allow_dir = security.allow_dir if curve else None
         self.channel = Channel(
             sock, self._on_frames, on_error=self._on_handler_error, coalesce=True,
-            on_unreachable=self._peer_unreachable,
+            on_unreachable=self._peer_unreachable, peer_keys=curve,
         )  # fmt: skip
         self.endpoint = bound_endpoint(sock)
         return self.endpoint
@@ -415,6 +421,15 @@ class Broker:
     # worker messages
 
     def _on_register(self, identity: bytes, peer: _Peer | None, msg: P.Register, payload: list[Any]) -> None:
+        if self._allow_dir is not None and not self._is_worker_key(self.channel.peer_key):
+            self.counters["refused_registrations"] += 1
+            log.warning("refused to register %r: its CURVE key %s is not a worker key (%s/%s)", msg.worker_id[:64],
+                        self.channel.peer_key, self._allow_dir, WORKER_KEY_GLOB)  # fmt: skip
+            self._send(identity, P.Bye(
+                f"this key may not register workers: only keys in the broker's {WORKER_KEY_GLOB} allow files "
+                "may (start workers with the cluster's worker.key_secret)", refused=True,
+            ))  # fmt: skip
+            return
         try:
             role = Role(msg.role)
         except ValueError:
@@ -463,6 +478,15 @@ class Broker:
             msg.capacity,
         )
         self.scheduler.add_worker(msg.worker_id, role, msg.node, msg.capacity, msg.ring_capacity)
+
+    def _is_worker_key(self, key: str | None) -> bool:
+        if key is None:
+            return False
+        try:  # read at each registration (rare), so a key added or removed counts at once
+            return key.encode() in load_worker_keys(self._allow_dir)
+        except ConfigError as e:
+            log.error("cannot read the worker keys: %s", e)
+            return False
 
     def _require_worker(self, identity: bytes, peer: _Peer | None) -> bool:
         if peer is None:

@@ -5,7 +5,8 @@ A keys directory holds one key pair per kind of peer and the broker's allow-list
     broker.key / broker.key_secret     the broker's (clients and workers pin broker.key)
     client.key / client.key_secret     what clients authenticate with
     worker.key / worker.key_secret     what workers authenticate with (and encoders serve fetches with)
-    allowed/client.key, allowed/worker.key   the broker's allow-list (only the broker reads it)
+    allowed/client.key, allowed/worker.key   the broker's allow-list (only the broker reads it);
+                                             only allowed/worker*.key may register workers
 
 A worker needs only worker.key_secret and broker.key: an encoder's fetch socket admits the worker
 key pair itself, which is what PD workers connect with. Problems with any of these files are

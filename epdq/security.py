@@ -166,6 +166,15 @@ def load_allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
     return frozenset(load_public_key(p) for p in sorted(allow_dir.glob("*.key")) if p.is_file())
 
 
+WORKER_KEY_GLOB = "worker*.key"  # in the allow directory: the keys that may register workers
+
+
+def load_worker_keys(allow_dir: str | Path) -> frozenset[bytes]:
+    """The allow directory's worker keys (files named `worker*.key`): only a peer holding one of
+    them may register as a worker; every other allowed key is a client's."""
+    return frozenset(load_public_key(p) for p in sorted(Path(allow_dir).glob(WORKER_KEY_GLOB)) if p.is_file())
+
+
 # ------------------------------------------------------------------ configs and policy
 
 

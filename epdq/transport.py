@@ -319,6 +319,13 @@ def _is_batch(type_frame: Any) -> bool:
     return mv.nbytes == 1 and mv[0] == BATCH_TYPE[0]
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:  # no authenticated user on that link
+        return None
+
+
 class Channel:
     """Drive one socket from the running loop: `handler(frames)` for every message received."""
 
@@ -332,13 +339,17 @@ class Channel:
         copy: bool = False,
         coalesce: bool = False,
         on_unreachable: Callable[[bytes], None] | None = None,
+        peer_keys: bool = False,
     ) -> None:
         """`copy=False` receives zmq.Frames (zero-copy: for peers that send large payloads);
         `copy=True` receives bytes, cheaper for small messages.
 
         `coalesce=True` defers sends to the end of the loop turn and packs the messages for one
         peer into one BATCH message: one ZeroMQ send and one peer wake-up instead of dozens. A
-        ROUTER peer found gone at that point is reported to `on_unreachable(identity)`."""
+        ROUTER peer found gone at that point is reported to `on_unreachable(identity)`.
+
+        `peer_keys=True` (a CURVE ROUTER): while the handler runs, `peer_key` is the z85 public key
+        the message's sender authenticated with (ZeroMQ's User-Id), or None."""
         self.sock = sock
         self._handler = handler
         self._batch = batch
@@ -347,6 +358,8 @@ class Channel:
         self._coalesce = coalesce
         self._on_unreachable = on_unreachable
         self._routed = sock.type == zmq.ROUTER
+        self._peer_keys = peer_keys and self._routed
+        self.peer_key: str | None = None
         self._out: dict[bytes, list[tuple[list[Any], bool]]] = {}
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -379,7 +392,13 @@ class Channel:
         sock, copy = self.sock, self._copy
         for _ in range(self._batch):
             try:
-                frames = [_raw_recv(sock, _NOBLOCK, copy)]
+                if self._peer_keys:
+                    # only a Frame carries the User-Id; the identity frame is small, so copy it out
+                    first = _raw_recv(sock, _NOBLOCK, False)
+                    self.peer_key = _user_id(first)
+                    frames = [first.bytes]
+                else:
+                    frames = [_raw_recv(sock, _NOBLOCK, copy)]
                 while _raw_get(sock, _RCVMORE):
                     frames.append(_raw_recv(sock, _NOBLOCK, copy))
             except zmq.Again:
