@@ -57,7 +57,9 @@ NAME_PATTERN = re.compile(r"cuda-[0-9]{1,10}-[A-Za-z0-9_]{1,32}-[0-9]{1,10}-[0-9
 MAX_HANDLE_BYTES = 1024
 EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 _REF_COUNTER = re.compile(rb"[A-Za-z0-9_./-]{1,255}")
-_MAX_REF_COUNTER_OFFSET = 1 << 24
+# torch's reference-counter file holds this many int64 counters (CUDA_IPC_REF_COUNTER_FILE_SIZE):
+# an offset past it would make torch write outside the mapping when it releases the storage
+_MAX_REF_COUNTER_OFFSET = 10000
 
 
 def device_uuid(device: torch.device | str) -> str:

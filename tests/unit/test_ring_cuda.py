@@ -97,6 +97,7 @@ def test_cuda_ring_schema_is_strict():
         (NAME, dict(ref_counter_handle=b"/torch\x00x"), "reference-counter"),
         (NAME, dict(ref_counter_handle=b"/../etc/passwd"), "reference-counter"),
         (NAME, dict(ref_counter_offset=1 << 30), "reference-counter offset"),
+        (NAME, dict(ref_counter_offset=10000), "reference-counter offset"),  # torch's file holds 10,000
         (NAME, dict(event_handle=b"x" * 63), "event handle"),
         (NAME, dict(device_uuid=""), "uuid"),
     ],
