@@ -38,6 +38,14 @@ from epdq.transport import (
 log = logging.getLogger("epdq.broker")
 
 _ZERO_COPY_BYTES = 64 * 1024  # smaller payloads are copied by ZeroMQ anyway
+# Messages (one per peer per loop turn, batched) queued for a peer whose connection does not take
+# them: a worker or client that stopped reading is cut off here, as if it had disconnected, rather
+# than growing the broker's memory without end. A reading peer's ZeroMQ I/O thread keeps taking
+# them even while its event loop is busy, so only a stopped or unreachable one ever gets near it.
+PEER_SEND_HWM = 10_000
+# Lost request ids a PONG names at most (the client learns of the others at its next pings): a PONG
+# echoes what the PING listed, and the ids of a client that never reads would pile up here.
+MAX_PONG_UNKNOWN = 256
 
 
 @dataclass(slots=True)
@@ -157,6 +165,7 @@ class Broker:
         frame_cap = MAX_IMAGE_BYTES_LIMIT + (1 << 20)
         sock = make_socket(
             self._ctx, zmq.ROUTER, bind=self.cfg.address, max_message_bytes=frame_cap, security=security,
+            send_hwm=PEER_SEND_HWM,
         )  # fmt: skip
         # CURVE: every allowed key may send requests, only worker keys may register workers (a client
         # key that registered would be sent other clients' prompts and images, and could answer them)
@@ -358,7 +367,7 @@ class Broker:
 
     def _on_ping(self, identity: bytes, peer: _Peer | None, msg: P.Ping, payload: list[Any]) -> None:
         held = self._clients.get(identity, ())
-        unknown = [rid for rid in msg.request_ids if rid not in held]
+        unknown = [rid for rid in msg.request_ids if rid not in held][:MAX_PONG_UNKNOWN]
         self._send(identity, P.Pong(msg.nonce, self.broker_id, unknown))
 
     def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:

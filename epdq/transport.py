@@ -86,14 +86,17 @@ def make_socket(
     security: SecurityConfig | None = None,
     server_public: bytes | None = None,
     before_connect: Callable[[zmq.Socket], None] | None = None,
+    send_hwm: int = 0,
 ) -> zmq.Socket:
     """`security` None is for links that never leave the process or this user's ipc directory;
     every other caller passes one, and a tcp endpoint then gets CURVE or a clear refusal.
-    `before_connect(sock)` runs once the socket is set up, before it connects (a monitor)."""
+    `before_connect(sock)` runs once the socket is set up, before it connects (a monitor).
+    `send_hwm` > 0 (a ROUTER): messages queued for one peer that does not read, beyond which a
+    send to it fails (`Channel` then reports the peer unreachable) instead of holding more memory."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
         sock.setsockopt(zmq.RCVHWM, 0)
         # larger frames disconnect the sender before the bytes reach us
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -468,6 +471,11 @@ class Channel:
                     if self._on_unreachable is not None:
                         self._on_unreachable(dest)
                     break
+                except zmq.Again:  # its send queue is at the high-water mark: it stopped reading
+                    log.warning("peer %r does not read what it is sent: cut off", dest[:16])
+                    if self._on_unreachable is not None:
+                        self._on_unreachable(dest)
+                    break
                 except zmq.ZMQError as e:
                     log.warning("send to %r failed: %s", dest[:16], e)
                     break
@@ -477,8 +485,8 @@ class Channel:
         sock = self.sock
         last = len(frames) - 1
         try:
-            # ROUTER_MANDATORY fails an unknown identity on the first frame, before anything is
-            # queued; with unlimited high-water marks nothing later can fail with EAGAIN
+            # ROUTER_MANDATORY fails an unknown identity (or, with a send_hwm, a full peer) on the
+            # first frame, before anything is queued; the later frames of a message always go
             for i, f in enumerate(frames):
                 _raw_send(sock, f, _MORE if i < last else _NOBLOCK, copy)
         except zmq.ZMQError as e:

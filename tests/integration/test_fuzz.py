@@ -969,3 +969,43 @@ async def test_registers_with_bad_ids_or_nodes_get_a_bye_naming_the_limits(tmp_p
                 assert {w["worker_id"] for w in (await c.stats())["workers"]} == {"encoder-0", "pd-0"}
     finally:
         ctx.term()
+
+
+async def test_a_client_that_never_reads_is_cut_off_and_pongs_stay_small(tmp_path, monkeypatch):
+    """A client that sent PINGs listing 4,096 long request ids and never read the PONGs (which
+    echoed them all) grew the broker by gigabytes: PONGs now name at most MAX_PONG_UNKNOWN ids, and
+    a peer with PEER_SEND_HWM messages unread is cut off as if it had disconnected (its requests
+    cancelled). Others are served throughout."""
+    from epdq import broker as B
+
+    monkeypatch.setattr(B, "PEER_SEND_HWM", 50)
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/b.sock"
+    broker = B.Broker(B.BrokerConfig(address=addr), ctx=ctx)
+    serving = asyncio.create_task(broker.serve())
+    deaf = raw_socket(ctx, zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.connect(addr)
+    try:
+        sub = P.Submit("deaf-1", [P.ChatMessage("user", [P.Part("text", "hi")])], P.Sampling(), 0.0, 0)
+        deaf.send_multipart(P.encode(sub))  # queued: there are no workers
+        ids = [f"{i:0128d}" for i in range(P.MAX_PING_IDS)]
+        async with asyncio.timeout(60):
+            while len(broker._clients) == 0:
+                await asyncio.sleep(0.01)
+            for n in range(2000):
+                deaf.send_multipart(P.encode(P.Ping(n, ids)))
+                await asyncio.sleep(0)
+                if not broker._clients:
+                    break
+            assert not broker._clients, "the client that never reads was not cut off"
+            assert broker.scheduler.gauges()["requests_queued"] == 0  # its request went with it
+            async with AsyncClient(addr) as c:
+                assert (await c.stats())["counters"]["cancelled"] == 1
+        pong = P.decode(unbatch(deaf.recv_multipart())[0])[0]
+        assert isinstance(pong, P.Pong) and len(pong.unknown) == B.MAX_PONG_UNKNOWN
+    finally:
+        deaf.close(0)
+        broker.stop()
+        await asyncio.wait_for(serving, 10)
+        ctx.term()

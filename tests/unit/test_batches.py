@@ -27,3 +27,51 @@ def test_large_payloads_go_in_several_batches_in_order():
     assert [m for c in chunks for m in c] == msgs  # nothing lost or reordered
     big = msg(64 * mib)
     assert _batches([big, msg()]) == [[big], [msg()]]  # one message over the limit goes alone
+
+
+async def test_a_peer_that_does_not_read_is_cut_off_not_queued_for_without_end(tmp_path):
+    """The broker's send queues had no limit: a client that sent pings or STATS requests and never
+    read the answers grew the broker's memory by gigabytes. Past `send_hwm` unsent messages the
+    channel reports the peer unreachable, as if it had disconnected; a reading peer is unaffected."""
+    import asyncio
+
+    import zmq
+
+    from epdq.transport import Channel, make_socket
+
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/hwm.sock"
+    router = make_socket(ctx, zmq.ROUTER, bind=addr, send_hwm=8)
+    deaf = make_socket(ctx, zmq.DEALER, identity=b"deaf", connect=addr)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    reader = make_socket(ctx, zmq.DEALER, identity=b"reader", connect=addr)
+    gone: list[bytes] = []
+    ch = Channel(router, lambda frames: None, coalesce=True, on_unreachable=gone.append)
+    ch.start()
+    try:
+        for s in (deaf, reader):
+            s.send(b"hello")  # the ROUTER knows a peer once it has heard from it
+        async with asyncio.timeout(10):
+            while ch.received < 2:
+                await asyncio.sleep(0.01)
+            got = 0
+            for _ in range(200):  # one 256 KiB message per peer per loop turn
+                for ident in (b"deaf", b"reader"):
+                    ch.send([ident, *P.encode(P.Cancel("r")), bytes(256 << 10)], copy=False)
+                await asyncio.sleep(0)
+                while reader.poll(0):
+                    reader.recv_multipart()
+                    got += 1
+                if gone:
+                    break
+            assert gone == [b"deaf"]  # long before 200 x 256 KiB were queued for it
+            while got < 5:  # the reader still gets what it is sent
+                if reader.poll(0):
+                    reader.recv_multipart()
+                    got += 1
+                await asyncio.sleep(0.01)
+    finally:
+        ch.close()
+        for s in (deaf, reader):
+            s.close(linger=0)
+        ctx.term()
