@@ -26,7 +26,14 @@ import zmq
 
 from epdq.errors import ConfigError, ProtocolError
 from epdq.protocol import BATCH_TYPE, MAX_BATCH, pack_batch, split_batch
-from epdq.security import SecurityConfig, apply_client, apply_server, curve_required, ensure_authenticator
+from epdq.security import (
+    SecurityConfig,
+    apply_client,
+    apply_server,
+    curve_required,
+    ensure_authenticator,
+    peer_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -322,13 +329,6 @@ def _is_batch(type_frame: Any) -> bool:
     return mv.nbytes == 1 and mv[0] == BATCH_TYPE[0]
 
 
-def _user_id(frame: zmq.Frame) -> str | None:
-    try:
-        return frame.get("User-Id")
-    except zmq.ZMQError:  # no authenticated user on that link
-        return None
-
-
 class Channel:
     """Drive one socket from the running loop: `handler(frames)` for every message received."""
 
@@ -398,7 +398,7 @@ class Channel:
                 if self._peer_keys:
                     # only a Frame carries the User-Id; the identity frame is small, so copy it out
                     first = _raw_recv(sock, _NOBLOCK, False)
-                    self.peer_key = _user_id(first)
+                    self.peer_key = peer_key(first)
                     frames = [first.bytes]
                 else:
                     frames = [_raw_recv(sock, _NOBLOCK, copy)]
