@@ -36,6 +36,7 @@ class _Job:
     job_id: int
     key: bytes
     image: Any  # file bytes (a zmq frame)
+    epoch: int = 0  # the registration it came with (EncoderWorker.abandon)
 
 
 RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
@@ -77,6 +78,8 @@ class EncoderWorker:
         self._ring_kind = getattr(ring, "kind", "")  # "" = the shared-memory ring; "cuda" = epdq.ring_cuda
         self.encoded = 0
         self._encoding = False
+        # bumped before each re-registration: jobs of an older one are never answered
+        self._epoch = 0
 
     def idle(self) -> bool:
         """No job in hand and no entry pinned for a request (a draining encoder may leave: PD
@@ -113,20 +116,27 @@ class EncoderWorker:
     def heartbeat(self) -> P.Heartbeat:
         return P.Heartbeat(self.ring.used_bytes, self.ring.pinned_bytes, self.ring.entry_count)
 
-    def on_registered(self, again: bool) -> None:
-        if again:
-            # a new broker (or one that dropped us) knows none of our entries or jobs
-            dropped = self.ring.clear()
-            self._jobs.clear()
-            self._blocked.clear()
-            log.info("re-registered: dropped %d ring entries and pending jobs", dropped)
+    def abandon(self) -> None:
+        """The link is about to register again: a new broker (or one that dropped us) knows none
+        of our entries or jobs, and takes whatever we send after the REGISTER for the new
+        registration (which may send the same job ids again). So the old jobs are dropped and,
+        those in the batch being encoded now included, never answered. Synchronous: it runs
+        before the REGISTER leaves."""
+        self._epoch += 1
+        dropped = self.ring.clear()
+        jobs = len(self._jobs) + len(self._blocked)
+        self._jobs.clear()
+        self._blocked.clear()
+        if dropped or jobs or self._encoding:
+            log.info("registering again: dropped %d ring entries and %d pending jobs%s", dropped, jobs,
+                     " (the batch being encoded is not reported)" if self._encoding else "")  # fmt: skip
 
     def handle(self, msg: Any, payload: list[Any]) -> None:
         if isinstance(msg, P.Encode):
             if len(msg.key) != KEY_BYTES:
                 self.link.send(P.EncodeFailed(msg.job_id, msg.key[:KEY_BYTES], "protocol", "encode keys are 16 bytes"))
                 return
-            self._jobs.append(_Job(msg.job_id, msg.key, payload[0]))
+            self._jobs.append(_Job(msg.job_id, msg.key, payload[0], self._epoch))
             self._wake.set()
         elif isinstance(msg, P.Pin):
             for e in msg.entries:
@@ -219,6 +229,8 @@ class EncoderWorker:
         return await asyncio.to_thread(self.engine.encode, images)
 
     def _store(self, job: _Job, out: EncodedImage, encode_s: float) -> bool:
+        if job.epoch != self._epoch:
+            return True  # a job of the previous registration (abandoned while it was encoded)
         try:
             loc = self.ring.write(job.key, out.embeds)
         except RingFullError as e:
@@ -265,7 +277,8 @@ class EncoderWorker:
         level = logging.INFO if err.code == "invalid_input" else logging.WARNING  # a bad image is the client's
         log.log(level, "encode job %d failed: %s: %s", job.job_id, err.code, err.message,
                 extra={"event": "encode_failed", "job_id": job.job_id, "code": err.code})  # fmt: skip
-        self.link.send(P.EncodeFailed(job.job_id, job.key, err.code, err.message))
+        if job.epoch == self._epoch:  # an abandoned job (see abandon) is never answered
+            self.link.send(P.EncodeFailed(job.job_id, job.key, err.code, err.message))
 
     # ------------------------------------------------------------ remote fetch
 

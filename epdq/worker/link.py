@@ -3,6 +3,15 @@
 Messages from the broker reach `handler(msg, payload)` on the loop. A BYE from the broker (it
 restarted and does not know us, or it is shutting down) triggers re-registration; a broker that
 stays silent for `liveness` heartbeats is treated as gone and the link reconnects with backoff.
+
+Registering again ends the old registration: the broker drops whatever it had sent us when it
+reads the REGISTER (and re-queues it, possibly to us again under the same ids), and takes
+everything we send after the REGISTER for the new registration. So, before any REGISTER but the
+first leaves, `on_register_again()` runs: the worker must drop its work in hand and make sure
+nothing about it is ever sent again. Work that arrives between that REGISTER and its REGISTERED
+was sent to the old registration and is dropped here. The hook runs again at every REGISTERED but
+the first: where a slow broker answered an earlier REGISTER after we had sent the next one, the
+work that came with that answer is the ended registration's too.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class BrokerLink:
         security: SecurityConfig | None = None,
         copy: bool = False,
         on_refused: Callable[[str], None] | None = None,
+        on_register_again: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self.register = register
@@ -48,6 +58,12 @@ class BrokerLink:
         # called with again=True when the broker accepted us anew: it holds none of our old work
         self._on_registered = on_registered
         self._on_refused = on_refused  # called once the broker refuses this worker for good
+        # called just before every REGISTER but the first: the worker abandons its work in hand
+        self._on_register_again = on_register_again
+        self._registers_sent = 0
+        # a REGISTER is out and its REGISTERED has not arrived: work now is the old registration's
+        self._superseded = False
+        self.stale_dropped = 0  # such work messages, dropped
         self.refused = ""
         self.registrations = 0
         self._security = security
@@ -91,8 +107,21 @@ class BrokerLink:
         self._send_register()
 
     def _send_register(self) -> None:
+        if self._registers_sent:
+            self._abandon_work()
+        self._registers_sent += 1
+        self._superseded = True
         self._register_sent = time.monotonic()
         self.send(self.register)
+
+    def _abandon_work(self) -> None:
+        """Before a REGISTER other than the first (and before a reconnect): the broker treats what
+        we send after it as the new registration's, so the old work must be gone, and silent, first."""
+        if self._on_register_again is not None:
+            try:
+                self._on_register_again()
+            except Exception:  # the REGISTER must still leave
+                log.exception("failed to drop the work of the previous registration")
 
     def _on_frames(self, frames: list[Any]) -> None:
         try:
@@ -116,7 +145,13 @@ class BrokerLink:
                     msg.heartbeat_s,
                     self.heartbeat_s,
                 )
+            if self.registrations:
+                # nothing in hand as a rule (dropped at the REGISTER, and nothing taken since); but
+                # if a late answer to an earlier REGISTER closed the window, what came with it is
+                # the old registration's (REGISTERED names no REGISTER: the best we can do here)
+                self._abandon_work()
             self.registered.set()
+            self._superseded = False
             self.registrations += 1
             log.info("registered with broker %s as %s", self.address, self.register.worker_id)
             if self._on_registered is not None:
@@ -151,6 +186,11 @@ class BrokerLink:
                 self._send_register()
         elif isinstance(msg, P.Heartbeat):
             pass
+        elif self._superseded:
+            # sent before the broker read our REGISTER: to the registration it ended (it re-queued
+            # this work, or failed it); doing it now would answer for the new one
+            self.stale_dropped += 1
+            log.debug("dropped %s sent to the previous registration", type(msg).__name__)
         else:
             try:
                 self._handler(msg, payload)
@@ -169,6 +209,8 @@ class BrokerLink:
                 log.warning("broker silent for %.1fs%s; reconnecting", time.monotonic() - self._last_heard,
                             f" ({why})" if why else "")  # fmt: skip
                 self._close_channel()
+                if self._registers_sent:
+                    self._abandon_work()  # not after the backoff: it may take 32 s
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 32.0)
                 self.reconnects += 1

@@ -5,6 +5,12 @@ node; fetched from the owning encoder over ZeroMQ from another node), check thei
 generation, run the engine, stream token deltas to the broker. Role `both` gets image files
 instead and lets the engine encode them (the colocated baseline). Every request ends with a
 final TOKENS (finish_reason set) or a PD_FAILED, so the broker's credit accounting stays exact.
+
+Before the worker registers again (see epdq.worker.link) its runs are abandoned: out of
+`_tasks`, cancelled, and silent from then on (a task sends only while it is the live run of its
+request), because the broker takes anything sent after the REGISTER for the new registration,
+which may hand the same request ids back to this worker. A PREFILL for such an id starts a
+fresh run, once the abandoned one has left the engine.
 """
 
 from __future__ import annotations
@@ -147,7 +153,9 @@ class PDWorker:
         self._ctx = ctx or zmq.Context.instance()
         self.reader = RingReader()
         self.fetcher = RemoteFetcher(self._ctx, security=security)
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task] = {}  # the live run of each request
+        # runs of a previous registration (see abandon), until they have left the engine
+        self._abandoned: dict[asyncio.Task, str] = {}
         self.link: Any = None
         self.local_reads = 0
         self.remote_reads = 0
@@ -173,11 +181,20 @@ class PDWorker:
         self.reader.release_unlinked()  # once a heartbeat: a few fstat calls
         return P.Heartbeat()
 
-    def on_registered(self, again: bool) -> None:
-        if again:
-            # the broker that sent these requests is gone or forgot us: nobody waits for them
-            for t in list(self._tasks.values()):
-                t.cancel()
+    def abandon(self) -> None:
+        """The link is about to register again: the broker that sent these requests is gone or has
+        dropped us (and re-queued them, perhaps back to us under the same ids). It takes whatever
+        we send after the REGISTER for the new registration, so from now on these runs send
+        nothing: out of `_tasks` (a re-sent PREFILL starts afresh), then cancelled (their
+        sequences leave the engine). Synchronous: it runs before the REGISTER leaves."""
+        if not self._tasks:
+            return
+        old, self._tasks = self._tasks, {}
+        for rid, t in old.items():
+            self._abandoned[t] = rid
+            t.cancel()
+        log.warning("registering again: dropped %d requests of the previous registration (the broker "
+                    "re-queues those that had not streamed)", len(old), extra={"event": "pd_abandoned"})  # fmt: skip
 
     def handle(self, msg: Any, payload: list[Any]) -> None:
         if isinstance(msg, P.Prefill):
@@ -194,12 +211,27 @@ class PDWorker:
             log.debug("pd worker ignores %s", type(msg).__name__)
 
     def _task_done(self, rid: str, task: asyncio.Task) -> None:
-        self._tasks.pop(rid, None)
+        if self._tasks.get(rid) is not task:
+            self._abandoned.pop(task, None)  # abandoned: the broker hears nothing more of it
+            return
+        del self._tasks[rid]
         if task.cancelled():
             # Cancelled before its first step (a PREFILL and its ABORT in one batch), or again
             # while it was aborting: _run never said so, and the broker holds this worker's slot
             # until it hears (it used to leak the slot for good).
             self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
+
+    def _send(self, rid: str, msg: Any) -> None:
+        """Send for the running task, if it is still the live run of `rid` (not abandoned)."""
+        if self._tasks.get(rid) is asyncio.current_task():
+            self.link.send(msg)
+
+    async def _after_abandoned(self, rid: str) -> None:
+        """Wait until the abandoned runs of `rid` have left the engine: their abort, by request
+        id, must not hit this run, nor may two sequences of one id be in the engine at once."""
+        old = [t for t, r in self._abandoned.items() if r == rid]
+        if old:
+            await asyncio.wait(old)
 
     async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
         rid = msg.request_id
@@ -209,29 +241,31 @@ class PDWorker:
             if not 0 < msg.timeout_s <= 86400:  # also NaN: asyncio would raise a bare ValueError
                 raise InvalidInputError(f"timeout_s must be in (0, 86400], got {msg.timeout_s}")
             async with asyncio.timeout(msg.timeout_s):
+                await self._after_abandoned(rid)
                 tokens, finish = await self._generate(msg, payload)
         except asyncio.CancelledError:
             await self._abort_engine(rid)
-            self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
-            self._log_end(rid, t0, images, "cancelled", logging.INFO)
+            self._send(rid, P.PdFailed(rid, "cancelled", "aborted by the broker"))
+            live = self._tasks.get(rid) is asyncio.current_task()
+            self._log_end(rid, t0, images, "cancelled" if live else "abandoned", logging.INFO)
         except TimeoutError:
             await self._abort_engine(rid)
-            self.link.send(P.PdFailed(rid, "deadline", "deadline passed on the PD worker"))
+            self._send(rid, P.PdFailed(rid, "deadline", "deadline passed on the PD worker"))
             self._log_end(rid, t0, images, "deadline")
         except StaleEmbeddingError as e:
             stale = [P.EntryId(r.key, r.generation) for r in msg.embeds]
-            self.link.send(P.PdFailed(rid, e.code, e.message, stale))
+            self._send(rid, P.PdFailed(rid, e.code, e.message, stale))
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except EpdqError as e:
             if self.check_engine():
                 return  # no PdFailed: once we leave, the broker gives the request to another worker
-            self.link.send(P.PdFailed(rid, e.code, e.message))
+            self._send(rid, P.PdFailed(rid, e.code, e.message))
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except Exception as e:
             if self.check_engine():
                 return
             log.exception("request %s failed in the engine", rid, extra={"request_id": rid, "event": "pd_error"})
-            self.link.send(P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
+            self._send(rid, P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
         else:
             if log.isEnabledFor(logging.DEBUG):  # the broker logs each request's end at info level
                 log.debug(
@@ -297,11 +331,12 @@ class PDWorker:
                 break
             if d.token_ids or d.text:
                 n += len(d.token_ids)
-                self.link.send(P.Tokens(msg.request_id, list(d.token_ids), d.text))
+                self._send(msg.request_id, P.Tokens(msg.request_id, list(d.token_ids), d.text))
         if final is None:
             raise EngineError("the engine stopped without a finish reason")
-        self.link.send(
-            P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None, final.prompt_tokens)
+        self._send(
+            msg.request_id,
+            P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None, final.prompt_tokens),
         )
         return n + len(final.token_ids), final.finish_reason
 
@@ -416,7 +451,7 @@ class PDWorker:
         return rd.finish(embeds)
 
     def close(self) -> None:
-        for t in self._tasks.values():
+        for t in [*self._tasks.values(), *self._abandoned]:
             t.cancel()
         self.fetcher.close()
         self.reader.close()

@@ -311,7 +311,7 @@ async def _run_encoder(
             ring_segment=ring.name, ring_capacity=ring.capacity, fetch_endpoint=fetch, **ring_extra,
         )  # fmt: skip
         link = BrokerLink(
-            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
+            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_register_again=worker.abandon,
             heartbeat=worker.heartbeat, security=security, on_refused=lambda _reason: stop.set(),
         )  # fmt: skip
         worker.link = link
@@ -379,7 +379,7 @@ async def _run_pd(
             cfg.worker_id, cfg.role, cfg.node, cfg.capacity, "", os.path.basename(model), os.getpid()
         )
         link = BrokerLink(
-            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_registered=worker.on_registered,
+            cfg.broker, reg, worker.handle, heartbeat_s=cfg.heartbeat_s, on_register_again=worker.abandon,
             heartbeat=worker.heartbeat, security=security, copy=not colocated, on_refused=lambda _reason: stop.set(),
         )  # fmt: skip
         worker.link = link

@@ -121,3 +121,200 @@ async def test_after_a_brokers_farewell_its_successor_gets_a_register_at_once(br
         got = [m for _, m in await recv_all(sock, 0.2) if isinstance(m, P.Register)]
         assert len(got) == 1
 
+
+# ------------------------------------------------------------ registering again
+#
+# The broker takes whatever a worker sends after its REGISTER for the new registration (one ordered
+# connection), and may hand the same request and job ids straight back to it. A PD worker paused
+# past the broker's liveness (SIGSTOP) used to keep its old runs until their cancellation landed:
+# the re-sent PREFILLs were dropped as duplicates, and the old runs' tokens, then PdFailed
+# "cancelled", were taken for the new dispatch (EngineError, or tokens from mid-sequence, or a
+# short output). tests/integration/test_pd_stall.py has the real processes.
+
+
+async def test_work_is_abandoned_before_a_second_register_and_stale_work_is_dropped(broker):
+    addr, sock = broker
+    handled: list[str] = []
+    abandoned: list[int] = []
+
+    def on_register_again() -> None:
+        # what the worker could still send at this moment reaches the broker before the REGISTER
+        abandoned.append(link._registers_sent)
+        link.send(P.PdFailed("last-words", "cancelled", "sent by the hook"))
+
+    link = BrokerLink(
+        addr, register(), lambda m, p: handled.append(m.request_id), heartbeat_s=0.5, liveness=5,
+        on_register_again=on_register_again,
+    )  # fmt: skip
+    link.start()
+    try:
+        (ident, reg), = await asyncio.wait_for(recv_all(sock, 0.2, until=1), 10)
+        assert isinstance(reg, P.Register) and abandoned == []  # the first REGISTER: nothing held yet
+        sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.5))])
+        await asyncio.wait_for(link.registered.wait(), 5)
+        sock.send_multipart([ident, *P.encode(P.Abort("first"))])
+        # the broker dropped us (missed heartbeats) and says so: register again
+        sock.send_multipart([ident, *P.encode(P.Bye("unknown worker: register again"))])
+        got = [m for _, m in await recv_all(sock, 0.3, until=2) if not isinstance(m, P.Heartbeat)]
+        assert [type(m) for m in got] == [P.PdFailed, P.Register], got
+        assert abandoned == [1]
+        # sent before the broker read that REGISTER: work of the registration it ended
+        sock.send_multipart([ident, *P.encode(P.Abort("stale"))])
+        await asyncio.sleep(0.1)
+        sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.5))])
+        sock.send_multipart([ident, *P.encode(P.Abort("new"))])
+        end = time.monotonic() + 5
+        while len(handled) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        assert handled == ["first", "new"] and link.stale_dropped == 1
+    finally:
+        link.close()
+
+
+async def test_a_reconnect_abandons_the_work_before_the_backoff(broker):
+    addr, sock = broker
+    abandoned: list[int] = []  # reconnects counted when the hook ran
+    link = BrokerLink(addr, register(), lambda m, p: None, heartbeat_s=0.05, liveness=2,
+                      on_register_again=lambda: abandoned.append(link.reconnects))  # fmt: skip
+    link.start()
+    try:
+        ident, _ = (await asyncio.wait_for(recv_all(sock, 0, until=1), 10))[0]
+        sock.send_multipart([ident, *P.encode(P.Registered("pd-test", 0.05))])
+        await asyncio.wait_for(link.registered.wait(), 5)
+        # then silence: the link gives the broker up and reconnects, registering again
+        regs = [m for _, m in await recv_all(sock, 1.0, until=2) if isinstance(m, P.Register)]
+        assert regs and link.reconnects >= 1
+        # at once when the broker is given up (not after the backoff, up to 32 s), and again just
+        # before the REGISTER (nothing left by then)
+        assert abandoned[:2] == [0, 1], abandoned
+    finally:
+        link.close()
+
+
+def _pd_worker(engine):
+    from epdq.worker.pd import PDWorker
+
+    worker = PDWorker(engine, worker_id="pd-test", node="n", colocated=False, max_image_bytes=1 << 20,
+                      max_image_pixels=1 << 20)  # fmt: skip
+    sent: list = []
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m)})()
+    return worker, sent
+
+
+def _prefill(rid: str, max_tokens: int) -> P.Prefill:
+    return P.Prefill(rid, [P.ChatMessage("user", [P.Part("text", f"tell me about {rid}")])],
+                     P.Sampling(max_tokens=max_tokens), 30.0, [])  # fmt: skip
+
+
+async def _until(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def _slow_abort_engine(**kw):
+    from epdq.engines.noop import NoopPDEngine
+
+    class SlowAbort(NoopPDEngine):
+        """An abort that takes a while to reach the engine (as vLLM's does): it must not land on
+        a new run of the same request id."""
+
+        async def abort(self, request_id: str) -> None:
+            await asyncio.sleep(0.1)
+            await super().abort(request_id)
+
+    return SlowAbort(**kw)
+
+
+@pytest.mark.parametrize("when", ["streaming", "in-prefill"])
+@pytest.mark.parametrize("slow_abort", [False, True], ids=["abort", "slow-abort"])
+async def test_an_abandoned_run_is_silent_and_the_request_runs_again_from_its_first_token(when, slow_abort):
+    from epdq.engines.noop import NoopPDEngine
+
+    kw = {"token_s": 0.01} if when == "streaming" else {"prefill_s": 0.2, "token_s": 0.002}
+    engine = _slow_abort_engine(**kw) if slow_abort else NoopPDEngine(**kw)
+    worker, sent = _pd_worker(engine)
+    reference, expected = _pd_worker(NoopPDEngine())
+    try:
+        reference.handle(_prefill("r1", 30), [])
+        await _until(lambda: expected and expected[-1].finish_reason is not None)
+        want = [t for m in expected for t in m.token_ids]
+        assert len(want) == 30
+
+        worker.handle(_prefill("r1", 30), [])
+        worker.handle(_prefill("r2", 30), [])
+        if when == "streaming":
+            await _until(lambda: len(sent) >= 6)  # both mid-sequence
+        else:
+            await asyncio.sleep(0.05)
+        worker.abandon()  # the link is about to send REGISTER again
+        assert worker.idle()
+        before = len(sent)
+        # the broker re-queued both and sends r1 straight back (in the batch of its REGISTERED)
+        worker.handle(_prefill("r1", 30), [])
+        await _until(lambda: len(sent) > before and sent[-1].finish_reason is not None)
+        await asyncio.sleep(0.2)  # anything the abandoned runs still had to say
+        after = sent[before:]
+        assert all(isinstance(m, P.Tokens) and m.request_id == "r1" for m in after), after
+        assert [t for m in after for t in m.token_ids] == want  # from the first token, all of them
+        assert after[-1].finish_reason == "length" and worker.idle() and not worker._abandoned
+    finally:
+        worker.close()
+        reference.close()
+
+
+async def test_an_encoder_never_answers_a_job_of_the_previous_registration(tmp_path):
+    from epdq.demo import demo_image
+    from epdq.engines.noop import NoopVisionEngine
+    from epdq.ring import RingWriter
+    from epdq.worker.encoder import EncoderWorker
+
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker = EncoderWorker(NoopVisionEngine(cost_s=0.3), ring, worker_id="enc-test", node="n",
+                           max_image_bytes=1 << 20, max_image_pixels=1 << 20)  # fmt: skip
+    sent: list = []
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m)})()
+    loop = asyncio.create_task(worker.run())
+    image = demo_image(7, (64, 64))
+    try:
+        worker.handle(P.Encode(1, b"k" * 16), [image])
+        await _until(lambda: worker._encoding)  # in the vision forward (a thread)
+        worker.abandon()  # the link is about to send REGISTER again
+        await _until(lambda: not worker._encoding)
+        await asyncio.sleep(0.05)
+        assert sent == [] and ring.entry_count == 0  # its result would name an entry for the new registration
+        worker.handle(P.Encode(1, b"k" * 16), [image])  # the same job, sent again by the broker
+        await _until(lambda: sent)
+        assert [type(m) for m in sent] == [P.Encoded] and sent[0].job_id == 1 and ring.entry_count == 1
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
+
+
+async def test_work_taken_with_a_late_answer_to_an_earlier_register_is_abandoned_too(broker):
+    """A broker slower than 5 heartbeats answers REGISTER #1 after the link has sent #2: the work
+    that comes with REGISTERED #1 belongs to a registration that #2 ends."""
+    addr, sock = broker
+    handled: list[str] = []
+    abandoned: list[list[str]] = []  # what had been handled when the hook ran
+    link = BrokerLink(addr, register(), lambda m, p: handled.append(m.request_id), heartbeat_s=0.5, liveness=5,
+                      on_register_again=lambda: abandoned.append(list(handled)))  # fmt: skip
+    link.start()
+    try:
+        (ident, _), = await asyncio.wait_for(recv_all(sock, 0.2, until=1), 10)
+        link._register_sent -= 10  # no answer for 5 heartbeats
+        sock.send_multipart([ident, *P.encode(P.Bye("unknown worker: register again"))])
+        got = [m for _, m in await recv_all(sock, 0.2, until=1) if isinstance(m, P.Register)]
+        assert len(got) == 1 and abandoned == [[]]
+        for m in (P.Registered("pd-test", 0.5), P.Abort("old"), P.Registered("pd-test", 0.5), P.Abort("new")):
+            sock.send_multipart([ident, *P.encode(m)])
+        end = time.monotonic() + 5
+        while len(handled) < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        assert handled == ["old", "new"]
+        assert abandoned == [[], ["old"]]  # "old" was dropped at the second REGISTERED, before "new"
+    finally:
+        link.close()
