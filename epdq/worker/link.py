@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,6 @@ class BrokerLink:
         liveness: int = 5,
         ctx: zmq.Context | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES_DEFAULT,
-        on_registered: Callable[[bool], None] | None = None,
         heartbeat: Callable[[], P.Heartbeat] | None = None,
         security: SecurityConfig | None = None,
         copy: bool = False,
@@ -55,9 +55,11 @@ class BrokerLink:
         self.address = address
         self.register = register
         self._handler = handler
-        # called with again=True when the broker accepted us anew: it holds none of our old work
-        self._on_registered = on_registered
         self._on_refused = on_refused  # called once the broker refuses this worker for good
+        # The broker sends this worker's jobs (prompts, images) to this ZeroMQ identity, and a
+        # connection presenting it takes the link over (ROUTER_HANDOVER, so a reconnect works): it
+        # must not be guessable from the worker_id that `epdq status` shows to every client.
+        self._routing_id = f"w-{secrets.token_hex(16)}".encode()
         # called just before every REGISTER but the first: the worker abandons its work in hand
         self._on_register_again = on_register_again
         self._registers_sent = 0
@@ -96,7 +98,7 @@ class BrokerLink:
             self._handshakes = watch_client(s, "worker")  # it logs a refused key or a wrong broker key
 
         sock = make_socket(
-            self._ctx, zmq.DEALER, identity=self.register.worker_id.encode(), connect=self.address,
+            self._ctx, zmq.DEALER, identity=self._routing_id, connect=self.address,
             max_message_bytes=self._max_bytes, security=self._security, before_connect=watch,
         )  # fmt: skip
         self._channel = Channel(sock, self._on_frames, copy=self._copy, coalesce=True)
@@ -154,8 +156,6 @@ class BrokerLink:
             self._superseded = False
             self.registrations += 1
             log.info("registered with broker %s as %s", self.address, self.register.worker_id)
-            if self._on_registered is not None:
-                self._on_registered(self.registrations > 1)
             if self.draining:
                 self.send(P.Drain(self.draining))
         elif isinstance(msg, P.Drain):

@@ -1009,3 +1009,32 @@ async def test_a_client_that_never_reads_is_cut_off_and_pongs_stay_small(tmp_pat
         broker.stop()
         await asyncio.wait_for(serving, 10)
         ctx.term()
+
+
+async def test_a_peer_presenting_a_workers_id_does_not_take_over_its_link(tmp_path):
+    """Workers connected with their worker_id as ZeroMQ identity, which `epdq status` shows to
+    every client, and the broker hands an identity's link to whoever presents it last (so that a
+    worker can reconnect): a client that connected as "pd-0" was sent pd-0's jobs, other clients'
+    prompts and images. Worker identities are now random per process."""
+    ctx = zmq.Context()
+    thieves: list[zmq.Socket] = []
+    try:
+        async with Cluster(noop_spec(tmp_path)) as cluster, AsyncClient(cluster.address) as c:
+            for w in (await c.stats())["workers"]:
+                s = raw_socket(ctx, zmq.DEALER)
+                s.setsockopt(zmq.IDENTITY, w["worker_id"].encode())
+                s.connect(cluster.address)
+                s.send_multipart(P.encode(P.Ping(1)))
+                thieves.append(s)
+            for s in thieves:  # connected, and heard by the broker under the worker's id
+                await recv_until(s, lambda f: f[0] == bytes([T.PONG]), timeout=10)
+            for i in range(3):
+                r = await c.generate("secret", images=[demo_image(40 + i, (32, 32))], max_tokens=2, route="epd",
+                                     timeout=20)  # fmt: skip
+                assert len(r.token_ids) == 2
+            for s in thieves:
+                assert {decoded_type(f) for f in drain(s)} <= {P.Pong}
+    finally:
+        for s in thieves:
+            s.close(0)
+        ctx.term()
