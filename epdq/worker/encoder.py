@@ -26,7 +26,7 @@ from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.media import decode_image
 from epdq.ring import KEY_BYTES, RingWriter
-from epdq.transport import Channel, bound_endpoint, make_socket, remove_stale_ipc_sockets
+from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket, remove_stale_ipc_sockets
 
 log = logging.getLogger("epdq.encoder")
 
@@ -40,6 +40,10 @@ class _Job:
 
 
 RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
+# Fetch answers queued for one PD worker that does not take them. A PD worker has at most a few
+# hundred fetches in flight (its sequences times their images), so only a peer that stopped
+# reading gets here.
+FETCH_SEND_HWM = 1024
 # The default fetch socket's name (epdq.worker.runner.default_fetch_bind): fetch-PID-8 hex digits.
 # Encoders killed before they could remove theirs left these behind: they piled up in the directory.
 FETCH_SOCKET_NAME = re.compile(r"fetch-([0-9]{1,10})-[0-9a-f]{8}")
@@ -73,6 +77,7 @@ class EncoderWorker:
         self._blocked: deque[tuple[_Job, EncodedImage, float, float]] = deque()
         self._wake = asyncio.Event()
         self._fetch: Channel | None = None
+        self.fetch_replies_dropped = 0
         self.fetch_endpoint = ""
         self.link: Any = None  # BrokerLink, set by the runner
         self._ring_kind = getattr(ring, "kind", "")  # "" = the shared-memory ring; "cuda" = epdq.ring_cuda
@@ -89,8 +94,9 @@ class EncoderWorker:
     def open_fetch_socket(self) -> str:
         self._remove_stale_fetch_sockets()
         sock = make_socket(
-            self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096, security=self._security
-        )
+            self._ctx, zmq.ROUTER, bind=self._fetch_bind, max_message_bytes=4096, security=self._security,
+            send_hwm=FETCH_SEND_HWM,
+        )  # fmt: skip
         self._fetch = Channel(sock, self._on_fetch)
         self.fetch_endpoint = bound_endpoint(sock)
         return self.fetch_endpoint
@@ -294,12 +300,25 @@ class EncoderWorker:
         try:
             data = self.ring.read_bytes(msg.offset, msg.nbytes, msg.key, msg.generation)
         except (StaleEmbeddingError, EpdqError) as e:
-            self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce, e.code, e.message))])
+            self._reply([ident, *P.encode(P.Fetched(msg.nonce, e.code, e.message))])
             return
         except Exception as e:  # bad offsets from a confused peer must not kill the encoder
-            self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce, "invalid_input", str(e)[:200]))])
+            self._reply([ident, *P.encode(P.Fetched(msg.nonce, "invalid_input", str(e)[:200]))])
             return
-        self._fetch.send([ident, *P.encode(P.Fetched(msg.nonce)), data], copy=False)
+        self._reply([ident, *P.encode(P.Fetched(msg.nonce)), data], copy=False)
+
+    def _reply(self, frames: list[Any], copy: bool = True) -> None:
+        assert self._fetch is not None
+        try:
+            self._fetch.send(frames, copy=copy)
+        except PeerUnreachable:
+            pass  # the fetcher left; it asked again elsewhere or gave up
+        except zmq.Again:
+            # it does not read its answers (a copy of an embedding each): they are dropped, where
+            # they used to pile up in this process (it times out as for an unreachable encoder)
+            self.fetch_replies_dropped += 1
+            if self.fetch_replies_dropped in (1, 1000) or self.fetch_replies_dropped % 100_000 == 0:
+                log.warning("dropped %d fetch answers to a peer that does not read them", self.fetch_replies_dropped)
 
     def close(self) -> None:
         if self._fetch is not None:

@@ -579,7 +579,7 @@ class FakeBroker:
 class Workers:
     def __init__(self, fb: FakeBroker, procs: dict[str, subprocess.Popen], logs: dict[str, Path]):
         self.fb, self.procs, self.logs = fb, procs, logs
-        self.enc, self.pd = b"fuzz-enc", b"fuzz-pd"
+        self.enc, self.pd = b"", b""  # their ZeroMQ identities, once they registered
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():
@@ -602,13 +602,14 @@ async def start_workers(tmp_path: Path, roles: tuple[str, ...] = ("encoder", "pd
                                insecure=True)  # plaintext ipc links whatever keys exist  # fmt: skip
             logs[name] = tmp_path / f"{name}.log"
             procs[name] = spawn_worker(cfg, logs[name])
-        want = {n.encode() for n in procs}
-
         def ready():
             w.check_alive()
-            return want <= set(fb.registers)
+            return set(procs) <= {r.worker_id for r in fb.registers.values()}
 
         await fb.wait_for(ready, 60, "worker registration")
+        # workers connect under random identities: find theirs
+        idents = {r.worker_id: ident for ident, r in fb.registers.items()}
+        w.enc, w.pd = idents.get("fuzz-enc", b""), idents.get("fuzz-pd", b"")
     except BaseException:
         await stop_workers(w)
         raise
@@ -876,6 +877,36 @@ async def test_encoder_fetch_socket_survives_fuzz(workers):
         finally:
             reader.close()
         assert local.numpy().tobytes() == payload[0]
+
+        # a peer that asks for the entry 20,000 times and never reads: each answer is a copy of it,
+        # and they piled up in the encoder (+800 MiB here); now it keeps FETCH_SEND_HWM of them
+        from epdq.worker.encoder import FETCH_SEND_HWM
+
+        big_key = hashlib.blake2b(b"fetch-flood", digest_size=16).digest()
+        await fb.send(w.enc, P.Encode(4343, big_key), [demo_image(12, (448, 448))])
+        (big, _), *_ = await fb.wait_for(
+            lambda: [(m, p) for m, p in fb.take(w.enc, P.Encoded) if m.job_id == 4343], 10, "ENCODED 4343"
+        )
+        big = big.ref
+        pid = w.procs["fuzz-enc"].pid
+        rss0 = _rss_mib(pid)
+        deaf = raw_socket(ctx, zmq.DEALER)
+        deaf.setsockopt(zmq.RCVHWM, 1)
+        deaf.connect(endpoint)
+        try:
+            n = 5000  # x 128 KiB: 640 MiB of answers
+            for i in range(n):
+                deaf.send_multipart(P.encode(P.Fetch(i, big.key, big.generation, big.offset, big.nbytes)))
+                if i % 500 == 0:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)
+            grown = _rss_mib(pid) - rss0
+            assert grown < 1.5 * FETCH_SEND_HWM * big.nbytes / 2**20 + 50, f"encoder grew {grown:.0f} MiB"
+            sock.send_multipart(P.encode(P.Fetch(2, ref.key, ref.generation, ref.offset, ref.nbytes)))
+            frames = await recv_until(sock, lambda f: f[0] == bytes([T.FETCHED]), 10)  # others are served
+            assert P.decode(frames, max_payload_frames=1)[0].nonce == 2
+        finally:
+            deaf.close(linger=0)
         w.check_alive()
         print(
             f"fetch fuzz: {n_junk} malformed, {len(nonces)} bogus FETCH answered {dict(Counter(m.code for m in replies.values()))}"
@@ -883,6 +914,11 @@ async def test_encoder_fetch_socket_survives_fuzz(workers):
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 # ====================================================================== 4. a key of the wrong length
