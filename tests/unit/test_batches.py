@@ -34,6 +34,7 @@ async def test_a_peer_that_does_not_read_is_cut_off_not_queued_for_without_end(t
     read the answers grew the broker's memory by gigabytes. Past `send_hwm` unsent messages the
     channel reports the peer unreachable, as if it had disconnected; a reading peer is unaffected."""
     import asyncio
+    import threading
 
     import zmq
 
@@ -41,36 +42,43 @@ async def test_a_peer_that_does_not_read_is_cut_off_not_queued_for_without_end(t
 
     ctx = zmq.Context()
     addr = f"ipc://{tmp_path}/hwm.sock"
-    router = make_socket(ctx, zmq.ROUTER, bind=addr, send_hwm=8)
+    router = make_socket(ctx, zmq.ROUTER, bind=addr, send_hwm=32)
     deaf = make_socket(ctx, zmq.DEALER, identity=b"deaf", connect=addr)
     deaf.setsockopt(zmq.RCVHWM, 1)
     reader = make_socket(ctx, zmq.DEALER, identity=b"reader", connect=addr)
     gone: list[bytes] = []
     ch = Channel(router, lambda frames: None, coalesce=True, on_unreachable=gone.append)
     ch.start()
+    stop = threading.Event()
+    got = [0]
+    thread = threading.Thread(target=lambda: read(), daemon=True)
+
+    def read() -> None:  # a peer that reads all the time, as a ZeroMQ I/O thread does
+        while not stop.is_set():
+            if reader.poll(20):
+                reader.recv_multipart()
+                got[0] += 1
+
     try:
         for s in (deaf, reader):
             s.send(b"hello")  # the ROUTER knows a peer once it has heard from it
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(20):
             while ch.received < 2:
                 await asyncio.sleep(0.01)
-            got = 0
-            for _ in range(200):  # one 256 KiB message per peer per loop turn
+            thread.start()
+            sent = 0
+            while not gone and sent < 400:  # one 256 KiB message per peer per loop turn
                 for ident in (b"deaf", b"reader"):
                     ch.send([ident, *P.encode(P.Cancel("r")), bytes(256 << 10)], copy=False)
-                await asyncio.sleep(0)
-                while reader.poll(0):
-                    reader.recv_multipart()
-                    got += 1
-                if gone:
-                    break
-            assert gone == [b"deaf"]  # long before 200 x 256 KiB were queued for it
-            while got < 5:  # the reader still gets what it is sent
-                if reader.poll(0):
-                    reader.recv_multipart()
-                    got += 1
+                sent += 1
+                await asyncio.sleep(0.001)
+            assert gone == [b"deaf"], (gone, sent)  # long before 400 x 256 KiB were queued for it
+            while got[0] < sent:  # the reader gets everything it was sent
                 await asyncio.sleep(0.01)
     finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(5)
         ch.close()
         for s in (deaf, reader):
             s.close(linger=0)
