@@ -478,7 +478,7 @@ class Broker:
         p = _Peer(msg.worker_id, identity, role, msg.scope, time.monotonic(), msg)
         self.workers[identity] = p
         self._by_id[msg.worker_id] = p
-        self._send(identity, P.Registered(msg.worker_id, self.cfg.heartbeat_s))
+        self._send(identity, P.Registered(msg.worker_id, self.cfg.heartbeat_s, msg.attempt))
         log.info(
             "worker %s registered: role=%s node=%s capacity=%d",
             msg.worker_id,

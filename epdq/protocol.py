@@ -213,11 +213,15 @@ class Register(_S):
     fetch_endpoint: str = ""
     ring_kind: str = ""  # "" or "shm": a POSIX shared-memory segment; "cuda": a CUDA ring (cuda_ring)
     cuda_ring: CudaRing | None = None
+    attempt: int = 0  # this worker's how-manyth REGISTER (1, 2, ...): REGISTERED echoes it
 
 
 class Registered(_S):
     worker_id: str
     heartbeat_s: float
+    # the REGISTER answered: a worker that has sent a later one ignores this (and the work with it:
+    # the broker re-queues it when it reads the later REGISTER); 0 from a peer that does not say
+    attempt: int = 0
 
 
 class Heartbeat(_S):

@@ -112,6 +112,7 @@ class BrokerLink:
         if self._registers_sent:
             self._abandon_work()
         self._registers_sent += 1
+        self.register.attempt = self._registers_sent
         self._superseded = True
         self._register_sent = time.monotonic()
         self.send(self.register)
@@ -134,7 +135,11 @@ class BrokerLink:
             return
         self._last_heard = time.monotonic()
         self._heard = True
-        if isinstance(msg, P.Registered):
+        if isinstance(msg, P.Registered) and msg.attempt and msg.attempt != self._registers_sent:
+            # a late answer to an earlier REGISTER: the registration it opened ends when the broker
+            # reads our later one (it re-queues what it sent with it); the work in between is dropped
+            log.debug("ignored the answer to REGISTER #%d (#%d is out)", msg.attempt, self._registers_sent)
+        elif isinstance(msg, P.Registered):
             # NaN/inf/absurd intervals would kill or stall _beat (or make it spin/reconnect in a loop)
             if 0.01 <= msg.heartbeat_s <= 600.0:
                 if msg.heartbeat_s < self.heartbeat_s:
@@ -147,10 +152,9 @@ class BrokerLink:
                     msg.heartbeat_s,
                     self.heartbeat_s,
                 )
-            if self.registrations:
-                # nothing in hand as a rule (dropped at the REGISTER, and nothing taken since); but
-                # if a late answer to an earlier REGISTER closed the window, what came with it is
-                # the old registration's (REGISTERED names no REGISTER: the best we can do here)
+            if self.registrations and not msg.attempt:
+                # nothing in hand as a rule (dropped at the REGISTER, and nothing taken since); but a
+                # broker that does not say which REGISTER it answers may have answered an earlier one
                 self._abandon_work()
             self.registered.set()
             self._superseded = False
