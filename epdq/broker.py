@@ -150,6 +150,7 @@ class Broker:
         self.counters = {"protocol_errors": 0, "messages_in": 0, "refused_registrations": 0}
         self.channel: Channel | None = None
         self._allow_dir: Path | None = None  # CURVE: where the worker keys are
+        self._refused_keys: set[str | None] = set()
         self.endpoint = ""
         self._stop = asyncio.Event()
         self.started_at = time.monotonic()
@@ -432,8 +433,11 @@ class Broker:
     def _on_register(self, identity: bytes, peer: _Peer | None, msg: P.Register, payload: list[Any]) -> None:
         if self._allow_dir is not None and not self._is_worker_key(self.channel.peer_key):
             self.counters["refused_registrations"] += 1
-            log.warning("refused to register %r: its CURVE key %s is not a worker key (%s/%s)", msg.worker_id[:64],
-                        self.channel.peer_key, self._allow_dir, WORKER_KEY_GLOB)  # fmt: skip
+            key = self.channel.peer_key
+            if key not in self._refused_keys and len(self._refused_keys) < 1024:  # once per key: no log flood
+                self._refused_keys.add(key)
+                log.warning("refused to register %r: its CURVE key %s is not a worker key (%s/%s)",
+                            msg.worker_id[:64], key, self._allow_dir, WORKER_KEY_GLOB)  # fmt: skip
             self._send(identity, P.Bye(
                 f"this key may not register workers: only keys in the broker's {WORKER_KEY_GLOB} allow files "
                 "may (start workers with the cluster's worker.key_secret)", refused=True,

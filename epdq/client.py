@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -160,7 +161,11 @@ class AsyncClient:
             self._handshakes = watch_client(s, "client", self._on_refused)
 
         # keys and plaintext rules were checked at construction (ConfigError)
-        sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, security=self._security, before_connect=watch)
+        # A random identity per socket. Without one the broker's ROUTER numbers us from a counter,
+        # and whoever connected under our number took our link over (ROUTER_HANDOVER) and read our
+        # tokens; that counter, and other clients' numbers, were predictable.
+        sock = make_socket(self._ctx, zmq.DEALER, identity=f"c-{secrets.token_hex(16)}".encode(), connect=self.address,
+                           security=self._security, before_connect=watch)  # fmt: skip
         # token messages are small: receive bytes; batch what we send per loop turn
         self._channel = Channel(sock, self._on_frames, copy=True, coalesce=True)
         self._channel.start()

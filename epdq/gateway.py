@@ -257,9 +257,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse(
                 {"status": "draining", "error": "the broker is shutting down", "workers": roles}, status_code=503
             )
-        return JSONResponse(
-            {"status": "ok", "model": config.model_name, "workers": roles, "gauges": s["gauges"]}
-        )
+        # no gauges: this port faces API users, and the queue, clients and cache figures are the
+        # operator's (the broker's --metrics)
+        return JSONResponse({"status": "ok", "model": config.model_name, "workers": roles})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -78,6 +78,28 @@ def host_port_problem(value: str, name: str) -> str | None:
     return None
 
 
+_rand_seeded = False
+
+
+def _seed_routing_ids() -> None:
+    """Make a ROUTER's automatic peer identities unpredictable. libzmq gives a peer that names
+    no identity b"\\x00" + a 32-bit counter that starts at libc's rand(), never seeded in this build
+    (always 0x6b8b4567), and aborts the process (an assertion) when the counter reaches an identity
+    a peer chose for itself: anyone who could connect could kill the broker by taking the next few
+    counter values and then connecting without an identity. Seeding libc's generator once, before
+    the first ROUTER, leaves them a 1 in 2**32 guess per identity taken."""
+    global _rand_seeded
+    if _rand_seeded:
+        return
+    _rand_seeded = True
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).srand(int.from_bytes(os.urandom(4), "little"))
+    except (OSError, AttributeError):  # not a libc we know: nothing to seed
+        log.debug("could not seed libc's rand() for ZeroMQ's routing ids")
+
+
 class PeerUnreachable(Exception):
     """A ROUTER send found no connected peer with that identity."""
 
@@ -100,6 +122,8 @@ def make_socket(
     `before_connect(sock)` runs once the socket is set up, before it connects (a monitor).
     `send_hwm` > 0 (a ROUTER): messages queued for one peer that does not read, beyond which a
     send to it fails (`Channel` then reports the peer unreachable) instead of holding more memory."""
+    if kind == zmq.ROUTER:
+        _seed_routing_ids()  # before the socket exists: its counter starts at construction
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)

@@ -1074,3 +1074,49 @@ async def test_a_peer_presenting_a_workers_id_does_not_take_over_its_link(tmp_pa
         for s in thieves:
             s.close(0)
         ctx.term()
+
+
+async def test_a_peer_taking_the_next_automatic_identities_cannot_abort_the_broker(tmp_path):
+    """libzmq numbers a peer that names no identity from a counter that started at the same
+    value in every process (0x6b8b4567: libc's unseeded rand()), and aborts (an assertion) when the
+    number it hands out is already a peer's chosen identity: any client could kill the broker with
+    64 connections under the next numbers and one without an identity. epdq's clients now name
+    random identities, and the counter starts at a random value."""
+    addr = f"ipc://{tmp_path}/b.sock"
+    env = {**os.environ, "EPDQ_HOME": str(tmp_path / "home")}
+    log = open(tmp_path / "broker.log", "w+")  # noqa: SIM115
+    broker = subprocess.Popen([sys.executable, "-m", "cli.main", "broker", "--address", addr], env=env,
+                              stdout=log, stderr=log)  # fmt: skip
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    try:
+        async with AsyncClient(addr) as c:
+            end = time.monotonic() + 60
+            while True:
+                try:
+                    await c.stats(timeout=1.0)
+                    break
+                except Exception:
+                    assert broker.poll() is None and time.monotonic() < end, "the broker did not come up"
+            for k in range(64):
+                s = raw_socket(ctx, zmq.DEALER)
+                s.setsockopt(zmq.IDENTITY, b"\x00" + (0x6B8B4567 + k).to_bytes(4, "big"))
+                s.connect(addr)
+                s.send_multipart(P.encode(P.Ping(k)))
+                socks.append(s)
+            for s in socks:
+                await recv_until(s, lambda f: f[0] == bytes([T.PONG]), timeout=10)
+            for _ in range(3):  # connections that name no identity
+                s = raw_socket(ctx, zmq.DEALER, connect=addr)
+                socks.append(s)
+                s.send_multipart(P.encode(P.Ping(99)))
+                await recv_until(s, lambda f: f[0] == bytes([T.PONG]), timeout=10)
+            assert broker.poll() is None, tail(tmp_path / "broker.log")
+            assert "counters" in await c.stats()
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        broker.terminate()
+        broker.wait(30)
+        log.close()

@@ -195,6 +195,7 @@ async def test_chat_completions_with_openai_client(tmp_path):
                 assert (
                     h["status"] == "ok" and h["workers"].get("encoder") == 1 and h["workers"].get("pd") == 1
                 )
+                assert "gauges" not in h  # the broker's queue and cache figures are not for API users
             async with http.post(f"{base}/v1/chat/completions", data=b"{not json") as resp:
                 assert resp.status == 400
                 body = await resp.json()

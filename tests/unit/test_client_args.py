@@ -153,3 +153,15 @@ def test_generate_and_stream_show_their_keywords():
         assert list(inspect.signature(fn).parameters)[1:] == documented
     with pytest.raises(TypeError, match="generate"):
         AsyncClient("ipc:///x").generate("hi", tokens=3).close()
+
+
+async def test_each_client_socket_has_its_own_unguessable_identity():
+    # without one the broker's ROUTER numbered clients from a counter, and a client that connected
+    # under another's number took its link over and read its tokens
+    import zmq
+
+    async with AsyncClient("ipc:///nonexistent/epdq-test.sock") as a, AsyncClient("ipc:///nonexistent/x.sock") as b:
+        ids = [c._channel.sock.getsockopt(zmq.IDENTITY) for c in (a, b)]
+        a._reopen()  # a fresh socket after a silent broker: a fresh identity
+        ids.append(a._channel.sock.getsockopt(zmq.IDENTITY))
+    assert len(set(ids)) == 3 and all(i.startswith(b"c-") and len(i) == 34 for i in ids), ids
