@@ -48,6 +48,7 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
             "cancelled": k.get("cancelled", 0),
             "busy_rejections": k.get("busy_rejections", 0),
             "protocol_errors": k.get("protocol_errors", 0),
+            "refused_registrations": k.get("refused_registrations", 0),
         },
         "uptime_s": g.get("uptime_s", 0.0),
         "draining": bool(g.get("broker_draining", 0.0)),
@@ -80,7 +81,9 @@ def render(s: dict[str, Any], address: str) -> str:
         f"{c['evictions']} evicted)",
         f"requests: {r['completed']} completed, {r['failed']} failed, {r.get('cancelled', 0)} cancelled, "
         f"{r['busy_rejections']} busy, "
-        f"{r['protocol_errors']} malformed messages",
+        f"{r['protocol_errors']} malformed messages"
+        # a client key trying to join as a worker, or a worker started with the wrong key
+        + (f", {r['refused_registrations']} refused worker registrations" if r.get("refused_registrations") else ""),
     ]
     return "\n".join(lines)
 

@@ -294,6 +294,11 @@ async def test_only_worker_keys_may_register_workers(tmp_path, unused_tcp_port, 
         client.send_multipart(P.encode(P.StatsRequest(7)))
         stats = await answer(client)
         assert isinstance(stats, P.Stats) and stats.nonce == 7 and stats.counters["refused_registrations"] == 1
+        # `epdq status` says so
+        from epdq.status import render, summary
+
+        as_dict = {"counters": dict(stats.counters), "gauges": dict(stats.gauges), "workers": []}
+        assert "1 refused worker registrations" in render(summary(as_dict), addr)
     finally:
         for s in socks:
             s.close(linger=0)
