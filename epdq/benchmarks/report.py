@@ -45,20 +45,55 @@ def _fmt(v: Any) -> str:
 
 def _is_num(s: str) -> bool:
     try:
-        float(s.replace(",", "").rstrip("x×"))
+        float(s.replace(",", "").rstrip("x×").lstrip("≥≤ "))
         return True
     except ValueError:
         return s == "n/a"
 
 
 def environment() -> dict[str, Any]:
+    """What a result was measured with: versions, the machine, the command line."""
+    from epdq import __version__
+
     return {
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "epdq": __version__,
+        "torch": _dist_version("torch"),  # from the installed metadata: importing torch takes seconds
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
+        "argv": list(sys.argv),
     }
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str | None:
+    """The CPU's name from /proc/cpuinfo (Linux; "model name" on x86, "Model"/"Hardware" on ARM)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def remove_stale(path: str | os.PathLike) -> None:
+    """Remove an output a run will not write this time (a plot under --no-plot): a file left from
+    an older run beside the new JSON would be read as this run's."""
+    Path(path).unlink(missing_ok=True)
 
 
 def check_out_dir(path: str | os.PathLike) -> None:
@@ -66,6 +101,8 @@ def check_out_dir(path: str | os.PathLike) -> None:
     ends in a traceback with its results lost. Raises ValueError with a one-line reason."""
     import tempfile
 
+    if not os.fspath(path).strip():  # Path("") is ".": the results would land wherever the shell stands
+        raise ValueError("--out must name a directory, not an empty string")
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)

@@ -109,3 +109,26 @@ def test_scale_fits_its_default_node_count_to_few_workers(tmp_path, capsys):
 
     assert scale.main(["--workers", "10", "--requests", "50", "--no-memory", "--out", str(tmp_path)]) == 0
     assert "on 10 nodes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["handoff", "control", "goodput", "scale"])
+def test_an_empty_out_is_a_usage_error(module, tmp_path, capsys, monkeypatch):
+    # Path("") is ".": the results landed wherever the shell stood
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"epdq.benchmarks.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", ""], prog=f"epdq bench {module}")
+    assert exc.value.code == 2
+    assert "--out must name a directory, not an empty string" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_json_records_the_run_metadata(tmp_path):
+    import json
+
+    from epdq import __version__
+    from epdq.benchmarks.report import write_json
+
+    env = json.loads(write_json(tmp_path / "x.json", "x", {}).read_text())["environment"]
+    assert env["epdq"] == __version__ and env["python"] and isinstance(env["argv"], list)
+    assert "torch" in env and "cpu_model" in env
