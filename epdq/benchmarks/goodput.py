@@ -43,11 +43,25 @@ from typing import Any
 from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
 from epdq.benchmarks.goodput_real import RealConfig, plot_real, print_real, run_real
 from epdq.benchmarks.goodput_report import plot_cost, print_cost
-from epdq.benchmarks.report import Progress, check_out_dir, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
 DEFAULT_TOPOLOGIES = (1, 2, 3, 4)  # N in "1 encoder + N PD vs N+1 colocated"
+DEFAULT_QPS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40)
+MIN_QPS = 0.001  # load points are keyed by the load rounded to 3 decimals
+# one simulated request holds a few KiB while its point runs (and takes ~0.3 ms to simulate)
+MAX_SIM_REQUESTS = 100_000
+# what the JSON's figures are measured in (keys keep their historical names)
+UNITS = {"ttft_*": "s", "tpot_*": "s", "encode_*": "s", "*_slo_s": "s", "*_s": "s", "offered_qps": "requests/s",
+         "max_qps_meeting_slo": "requests/s", "goodput_rps": "requests/s", "*_goodput": "requests/s",
+         "throughput_rps": "requests/s", "*_util*": "fraction of the time busy (0..1)"}  # fmt: skip
+
+
+def normalise_loads(loads) -> list[float]:
+    """Offered loads as the sweeps use them: rounded to 3 decimals, ascending, each once (the
+    sweep stops at the first load that misses the SLOs: an unsorted grid stopped early)."""
+    return sorted({round(float(q), 3) for q in loads})
 
 
 def scaled_slos(cm: CostModel, tpot_slack: float) -> tuple[float, float]:
@@ -87,7 +101,7 @@ class _Sweep:
 
     def goodput(self, grid: list[float], refine: int) -> dict[str, Any]:
         best, fail = None, None
-        for q in grid:
+        for q in normalise_loads(grid):
             if self.point(q).meets_slo:
                 best = q
             else:
@@ -149,10 +163,18 @@ def _check_cost_args(
             raise ValueError(f"{name} must be > 0 seconds, not {v!r}")
     if qps_grid is not None and not (qps_grid and all(_positive(q) for q in qps_grid)):
         raise ValueError(f"offered loads must be > 0 requests/s, not {qps_grid!r}")
+    if qps_grid is not None and min(round(q, 3) for q in qps_grid) <= 0:  # 0.000: no arrivals, a division by 0
+        raise ValueError(f"offered loads must be at least {MIN_QPS} requests/s (loads are rounded to 3 decimals), "
+                         f"not {min(qps_grid)!r}")  # fmt: skip
     if not _positive(window_s):
         raise ValueError(f"window_s must be > 0 seconds, not {window_s!r}")
-    if not (isinstance(min_requests, int) and min_requests >= 1 and isinstance(refine, int) and refine >= 0):
-        raise ValueError("min_requests must be >= 1 and refine >= 0")
+    top = max(qps_grid or DEFAULT_QPS)
+    if top * window_s > MAX_SIM_REQUESTS:
+        raise ValueError(f"at most {MAX_SIM_REQUESTS:,} simulated requests per load point (offered load x window: "
+                         f"{top:,.10g} x {window_s:,.10g} s = {top * window_s:,.0f}); lower the loads or the window")  # fmt: skip
+    if not (isinstance(min_requests, int) and 1 <= min_requests <= MAX_SIM_REQUESTS
+            and isinstance(refine, int) and refine >= 0):  # fmt: skip
+        raise ValueError(f"min_requests must be 1..{MAX_SIM_REQUESTS:,} and refine >= 0")
     if sensitivity is not None and not all(_positive(x) and x >= 1 for x in sensitivity):
         raise ValueError(f"sensitivity TPOT slacks must be >= 1, not {sensitivity!r}")
     if topologies is not None and not all(isinstance(n, int) and 1 <= n <= 64 for n in topologies):
@@ -173,7 +195,7 @@ def run_cost(
     t_slo, p_slo = scaled_slos(cm, tpot_slack)
     ttft_slo = ttft_slo if ttft_slo is not None else t_slo
     tpot_slo = tpot_slo if tpot_slo is not None else p_slo
-    grid = qps_grid or [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
+    grid = normalise_loads(qps_grid or DEFAULT_QPS)
     sensitivity = (
         [1.25, 1.5, 2.0, 3.0, VLLM_TPOT_SLO_S / (cm.step_s + cm.decode_s_per_seq)]
         if sensitivity is None
@@ -217,12 +239,14 @@ def run_cost(
     sens = []
     for slack in sensitivity:
         ts, ps = scaled_slos(cm, slack)
-        g = {}
+        g, sat = {}, {}
         for system in ("epd", "colocated"):
             s = _Sweep(f"{system}_slack", system, cm, wl4, ttft_slo=ts, tpot_slo=ps, **common)
-            g[system] = s.goodput(grid, refine)["goodput_rps"]
+            r = s.goodput(grid, refine)
+            g[system], sat[system] = r["goodput_rps"], r["saturated_grid"]
         sens.append({"tpot_slack": round(slack, 2), "ttft_slo_s": ts, "tpot_slo_s": ps, "epd_goodput": g["epd"],
-                     "colocated_goodput": g["colocated"], "ratio": _ratio(g["epd"], g["colocated"])})  # fmt: skip
+                     "colocated_goodput": g["colocated"], "ratio": _ratio(g["epd"], g["colocated"]),
+                     "epd_saturated_grid": sat["epd"], "colocated_saturated_grid": sat["colocated"]})  # fmt: skip
     topo = [_topology_row(n_pd, summary["epd_4img"], summary["colocated_4img"], sweeps["epd_4img"])]
     for n in topologies:
         sz_n = {"encoders": 1, "pds": n, "both": n + 1}
@@ -262,6 +286,11 @@ def run_cost(
         "topology": topo,
         "curves": {name: s.curve() for name, s in sweeps.items()},
         "window_s": window_s,
+        "offered_qps": grid,
+        "seed": seed,
+        "units": UNITS,
+        "saturated_grid_note": "saturated_grid: every offered load of the grid met the SLOs, so the goodput is a "
+        "lower bound (offer higher loads to measure it)",
     }
 
 
@@ -273,6 +302,7 @@ def _topology_row(n: int, epd: dict[str, Any], col: dict[str, Any], epd_sweep: _
     return {"n_pd": n, "epd": f"1 encoder + {n} PD", "colocated": f"{n + 1} colocated",
             "epd_goodput": epd["goodput_rps"], "colocated_goodput": col["goodput_rps"],
             "ratio": _ratio(epd["goodput_rps"], col["goodput_rps"]),
+            "epd_saturated_grid": epd["saturated_grid"], "colocated_saturated_grid": col["saturated_grid"],
             "encoder_util_at_goodput": enc, "epd_tpot_p99_at_goodput": tpot}  # fmt: skip
 
 
@@ -303,6 +333,7 @@ def run(
     out = Path(out_dir)
     name = "goodput.json" if kind == "cost" else "goodput-real.json"
     png = out / ("goodput.png" if kind == "cost" else "goodput-real.png")
+    remove_stale(png)  # an older run's plot beside this run's JSON (--no-plot, no matplotlib) would mislead
     if plot:
         try:
             (plot_cost if kind == "cost" else plot_real)(res, png)
@@ -314,49 +345,63 @@ def run(
     return res
 
 
+# options of the cost model that the real kind has no use for: refused with --real, not ignored
+COST_ONLY = {"text_tokens": "--text-tokens", "repeat_fraction": "--repeat-fraction", "hot_set": "--hot-set",
+             "tpot_slack": "--tpot-slack", "topologies": "--topologies"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.goodput") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--real", action="store_true", help="the real tiny model on CPU instead of the cost model"
     )
-    ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps")
+    ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps (cost model)")
     ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench-results",
                     help="directory for goodput.json (goodput-real.json with --real) and the plot")  # fmt: skip
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="no plot (an older one in --out is removed)")
     ap.add_argument("--pd", type=int, default=None,
                     help="N: EPD is 1 encoder + N PD, colocated is N+1 workers (default 3; --real: 1)")
     ap.add_argument("--images", type=int, default=None, help="images per request (default 4; --real: 2)")
     ap.add_argument("--image-size", default=None, help="WIDTHxHEIGHT (default 512x512; --real: 224x224)")
-    ap.add_argument("--text-tokens", type=int, default=128)
+    ap.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (cost model only; default 128)")
     ap.add_argument("--output-tokens", type=int, default=None, help="default 128; --real: 16")
-    ap.add_argument("--repeat-fraction", type=float, default=0.5)
-    ap.add_argument("--hot-set", type=int, default=32)
-    ap.add_argument(
-        "--tpot-slack", type=float, default=1.5, help="TPOT SLO as a multiple of the unloaded TPOT"
-    )
+    ap.add_argument("--repeat-fraction", type=float, default=None,
+                    help="share of images from the hot set in the repeated-image scenario (cost model only; "
+                    "default 0.5)")  # fmt: skip
+    ap.add_argument("--hot-set", type=int, default=None, help="distinct repeated images (cost model only; default 32)")
+    ap.add_argument("--tpot-slack", type=float, default=None,
+                    help="TPOT SLO as a multiple of the unloaded TPOT (cost model only; default 1.5)")  # fmt: skip
     ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (overrides the scaled default)")
     ap.add_argument("--tpot-slo", type=float, default=None, help="seconds (overrides the scaled default)")
     ap.add_argument("--window", type=float, default=None,
-                    help="seconds of arrivals per load point (default 120 simulated; --real: 8 real)")
-    ap.add_argument("--qps", default="", help="comma-separated offered loads")
+                    help="seconds of arrivals per load point (default 120 simulated, 30 with --quick; --real: 8 "
+                    f"real); offered load x window is at most {MAX_SIM_REQUESTS:,} requests (--real: 20,000)")  # fmt: skip
+    ap.add_argument("--qps", default="",
+                    help=f"comma-separated offered loads in requests/s, each at least {MIN_QPS:g}; they are run in "
+                    "ascending order, each once, whatever order they are given in")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--topologies", default=",".join(map(str, DEFAULT_TOPOLOGIES)),
+    ap.add_argument("--topologies", default=None,
                     help="values of N for the topology table, comma-separated, or 'none' (cost model only; "
-                    "default %(default)s)")  # fmt: skip
+                    f"default {','.join(map(str, DEFAULT_TOPOLOGIES))})")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.real:
+        given = [flag for key, flag in COST_ONLY.items() if getattr(a, key) is not None]
+        if given:
+            ap.error(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the cost model only, not --real")
     try:
         qps = [float(x) for x in a.qps.split(",") if x.strip()] or None
     except ValueError:
         ap.error(f"--qps must be numbers separated by commas, not {a.qps!r}")
     if qps is not None and not all(_positive(q) for q in qps):
         ap.error(f"--qps values must be > 0, not {a.qps!r}")
+    if qps is not None and min(round(q, 3) for q in qps) <= 0:
+        ap.error(f"--qps values must be at least {MIN_QPS:g} requests/s (loads are rounded to 3 decimals), "
+                 f"not {a.qps!r}")  # fmt: skip
+    if qps is not None:
+        qps = normalise_loads(qps)
     for flag, v in (("--ttft-slo", a.ttft_slo), ("--tpot-slo", a.tpot_slo)):
         if v is not None and not _positive(v):
             ap.error(f"{flag} must be > 0 seconds, not {v!r}")
-    try:
-        check_out_dir(a.out_dir)
-    except ValueError as e:
-        ap.error(str(e))
     size = a.image_size or ("224x224" if a.real else "512x512")
     try:
         w, h = (int(v) for v in size.lower().split("x"))
@@ -371,29 +416,37 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                 max_tokens=d.max_tokens if a.output_tokens is None else a.output_tokens,
                 ttft_slo_s=a.ttft_slo or d.ttft_slo_s, tpot_slo_s=a.tpot_slo or d.tpot_slo_s, seed=a.seed,
             )  # fmt: skip
+            check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
         except ValueError as e:
             ap.error(str(e))
         run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real=real)
         return 0
     n_pd = 3 if a.pd is None else a.pd
+    topo_arg = ",".join(map(str, DEFAULT_TOPOLOGIES)) if a.topologies is None else a.topologies
     try:
-        topologies = [] if a.topologies.strip().lower() == "none" else [int(x) for x in a.topologies.split(",")]
+        topologies = [] if topo_arg.strip().lower() == "none" else [int(x) for x in topo_arg.split(",")]
     except ValueError:
         ap.error(f"--topologies must be integers separated by commas, or none, not {a.topologies!r}")
     images = 4 if a.images is None else a.images
     output_tokens = 128 if a.output_tokens is None else a.output_tokens
-    kw: dict[str, Any] = dict(n_pd=n_pd, images_per_request=images, image_size=(w, h), text_tokens=a.text_tokens,
-                              output_tokens=output_tokens, repeat_fraction=a.repeat_fraction, hot_set=a.hot_set,
-                              tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
+    text_tokens = 128 if a.text_tokens is None else a.text_tokens
+    repeat_fraction = 0.5 if a.repeat_fraction is None else a.repeat_fraction
+    hot_set = 32 if a.hot_set is None else a.hot_set
+    tpot_slack = 1.5 if a.tpot_slack is None else a.tpot_slack
+    kw: dict[str, Any] = dict(n_pd=n_pd, images_per_request=images, image_size=(w, h), text_tokens=text_tokens,
+                              output_tokens=output_tokens, repeat_fraction=repeat_fraction, hot_set=hot_set,
+                              tpot_slack=tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, seed=a.seed,
                               qps_grid=qps, topologies=topologies)  # fmt: skip
-    window = 120.0 if a.window is None else a.window
-    if not a.quick or a.window is not None:  # --quick shortens the default window, not one given
+    # --quick shortens the default window (to 30 s), not one given
+    window = (30.0 if a.quick else 120.0) if a.window is None else a.window
+    if not a.quick or a.window is not None:
         kw["window_s"] = window
     try:  # checked before anything runs, so a ValueError later is a bug, not a usage error
-        Workload(images, (w, h), a.text_tokens, output_tokens, a.repeat_fraction, a.hot_set, a.seed)
-        _check_cost_args(n_pd=n_pd, tpot_slack=a.tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
+        Workload(images, (w, h), text_tokens, output_tokens, repeat_fraction, hot_set, a.seed)
+        _check_cost_args(n_pd=n_pd, tpot_slack=tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
                          window_s=window, min_requests=1, refine=0, sensitivity=None,
                          topologies=topologies)  # fmt: skip
+        check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
     except ValueError as e:
         ap.error(str(e))
     run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)

@@ -44,6 +44,9 @@ class RealConfig:
             raise ValueError(f"pd workers must be 1..8 for the real kind (one machine), not {self.n_pd!r}")
         if not self.qps or not all(q > 0 for q in self.qps):
             raise ValueError(f"offered loads must be > 0, not {self.qps!r}")
+        # ascending, each once: a route that misses the SLOs at a load is offered no higher one, so
+        # an unsorted list skipped the loads after a high one and took a low load for its goodput
+        object.__setattr__(self, "qps", tuple(sorted(set(self.qps))))
         if not (isinstance(self.refine, int) and 0 <= self.refine <= 8):
             raise ValueError(f"refine must be 0..8 steps, not {self.refine!r}")
         if not 0 < self.window_s <= 600:
@@ -114,6 +117,11 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
     return {
         "kind": "real", "startup_s": startup, "points": points, "counters": stats["counters"],
         "goodput_rps": goodput,
+        # a route that met the SLOs at every offered load: its goodput is a lower bound
+        "saturated_grid": {route: route not in missed for route in ROUTES},
+        "seed": cfg.seed,
+        "units": {"ttft_*": "s", "tpot_*": "s", "encode_*": "s", "*_s": "s", "offered_qps": "requests/s",
+                  "goodput_rps": "requests/s"},
         "epd_over_colocated": goodput["epd"] / goodput["colocated"] if goodput["colocated"] else None,
         "workload": {"images_per_request": cfg.images_per_request, "image_size": list(cfg.image_size),
                      "max_tokens": cfg.max_tokens, "window_s": cfg.window_s, "offered_qps": list(cfg.qps)},
@@ -170,6 +178,17 @@ async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random,
     return p
 
 
+SATURATED_NOTE = ("≥: met the SLOs at every offered load up to the highest: a lower bound, not a measured "
+                  "goodput (and a ratio with it is a bound, or unknown); offer higher loads (--qps) to measure it")
+
+
+def bounded_ratio(ratio: float, num_bound: bool, den_bound: bool) -> str:
+    """`ratio` as text, marked when a side is only a lower bound (the load grid topped out)."""
+    if num_bound and den_bound:
+        return "unknown (both ≥)"
+    return ("≥ " if num_bound else "≤ " if den_bound else "") + f"{ratio:.2f}x"
+
+
 def _goodput(points: list[dict[str, Any]]) -> float:
     meeting = [p for p in points if p["meets_slo"]]
     return max(meeting, key=lambda p: p["offered_qps"])["goodput_rps"] if meeting else 0.0
@@ -189,9 +208,16 @@ def print_real(res: dict[str, Any]) -> None:
                 f"{res['startup_s']:.0f} s); SLO P99 TTFT <= {slo['ttft_p99_s']} s, TPOT <= {slo['tpot_p99_s'] * 1e3:.0f} ms"))  # fmt: skip
     g = res["goodput_rps"]
     ratio = res["epd_over_colocated"]
-    print(f"\ngoodput (within-SLO rate at the highest offered load meeting the SLOs): EPD {g['epd']:.2f} req/s, "
-          f"colocated {g['colocated']:.2f} req/s, EPD / colocated "
-          + (f"{ratio:.2f}x" if ratio is not None else "n/a (colocated met the SLOs at no offered load)"))  # fmt: skip
+    sat = res.get("saturated_grid") or {}
+    ge = {route: "≥ " if sat.get(route) else "" for route in ROUTES}
+    if ratio is None:
+        rtxt = "n/a (colocated met the SLOs at no offered load)"
+    else:
+        rtxt = bounded_ratio(ratio, sat.get("epd", False), sat.get("colocated", False))
+    print(f"\ngoodput (within-SLO rate at the highest offered load meeting the SLOs): EPD {ge['epd']}{g['epd']:.2f} "
+          f"req/s, colocated {ge['colocated']}{g['colocated']:.2f} req/s, EPD / colocated {rtxt}")  # fmt: skip
+    if any(sat.values()):
+        print(SATURATED_NOTE)
     for p in res["points"]:
         if p["first_error"]:
             print(f"  {p['route']} at {p['offered_qps']:g} QPS: {p['errors']} failed, first: {p['first_error']}")

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from epdq.benchmarks.goodput_real import SATURATED_NOTE, bounded_ratio
 from epdq.benchmarks.report import table
 
 
@@ -31,41 +32,81 @@ def print_cost(res: dict[str, Any]) -> None:
         "colocated_repeat": "colocated, 50% repeated images",
     }
     rows = []
+    marked = False
     for name, label in labels.items():
         g = s[name]
+        sat = g.get("saturated_grid", False)
+        marked |= sat
         p = next((c for c in res["curves"][name] if c["offered_qps"] == g["max_qps_meeting_slo"]), None)
-        rows.append([label, g["max_qps_meeting_slo"], g["goodput_rps"],
+        rows.append([label, _lb(g["max_qps_meeting_slo"], sat), _lb(g["goodput_rps"], sat),
                      p["ttft_p50"] if p else math.nan, p["ttft_p99"] if p else math.nan,
                      p["tpot_p50"] * 1e3 if p else math.nan, p["tpot_p99"] * 1e3 if p else math.nan])  # fmt: skip
     print(table(["system", "max QPS in SLO", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms",
                  "TPOT p99 ms"], rows, title="Goodput (at the highest offered load meeting both P99 SLOs)"))  # fmt: skip
     print(
-        f"EPD / colocated goodput, {k} per request: {_x(res['epd_over_colocated_4img'])}; "
-        f"cache gain on the repeated-image workload: {_x(res['cache_gain'])}"
+        f"EPD / colocated goodput, {k} per request: "
+        f"{_xb(res['epd_over_colocated_4img'], _sat(s, 'epd_4img'), _sat(s, 'colocated_4img'))}; "
+        f"cache gain on the repeated-image workload: "
+        f"{_xb(res['cache_gain'], _sat(s, 'epd_repeat_cache'), _sat(s, 'epd_repeat_nocache'))}"
     )
+    if marked:
+        print(_note(res))
     for name in ("epd_4img", "colocated_4img"):
         rows = [[c["offered_qps"], c["goodput_rps"], c["ttft_p50"], c["ttft_p99"], c["tpot_p50"] * 1e3,
                  c["tpot_p99"] * 1e3, c["engine_util_mean"], c["engine_encode_share_mean"],
                  "yes" if c["meets_slo"] else "no"] for c in res["curves"][name]]  # fmt: skip
         print(table(["offered QPS", "goodput", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "engine busy",
                      "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
-    rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], r["epd_goodput"], r["colocated_goodput"],
-             _x(r['ratio'])] for r in res["sensitivity_tpot_slack"]]  # fmt: skip
+    sens = res["sensitivity_tpot_slack"]
+    rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], *_pair(r)] for r in sens]
     print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
                 rows, title=f"Sensitivity: EPD/colocated goodput ({k}/req) vs how tight the TPOT SLO is"))  # fmt: skip
+    if any(_row_sat(r) for r in sens):
+        print(_note(res))
     topo = res.get("topology") or []
     if len(topo) > 1:
-        rows = [[r["epd"], r["colocated"], r["epd_goodput"], r["colocated_goodput"], _x(r['ratio']),
-                 _pct(r["encoder_util_at_goodput"]),
+        rows = [[r["epd"], r["colocated"], *_pair(r), _pct(r["encoder_util_at_goodput"]),
                  "-" if r["epd_tpot_p99_at_goodput"] is None else r["epd_tpot_p99_at_goodput"] * 1e3]
                 for r in topo]  # fmt: skip
         print(table(["EPD", "colocated", "EPD goodput", "colocated goodput", "EPD/colocated", "encoder busy",
                      "EPD TPOT p99 ms"], rows,
                     title=f"Topology: how many PD workers one encoder feeds ({k}/req, default SLO)"))  # fmt: skip
+        if any(_row_sat(r) for r in topo):
+            print(_note(res))
         best = max(topo, key=lambda r: r["ratio"] if math.isfinite(r["ratio"]) else -1.0)
         print(f"(at EPD's goodput point: an encoder near 100 % busy limits EPD; a TPOT p99 near the SLO, "
               f"{res['slo']['tpot_p99_s'] * 1e3:.1f} ms, means its PD workers do)\n"
-              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {_x(best['ratio'])}")  # fmt: skip
+              f"Best ratio in this table: {best['epd']} vs {best['colocated']}, {_pair(best)[2]}")  # fmt: skip
+
+
+def _sat(summary: dict[str, Any], name: str) -> bool:
+    return bool(summary[name].get("saturated_grid"))
+
+
+def _row_sat(r: dict[str, Any]) -> bool:
+    return bool(r.get("epd_saturated_grid") or r.get("colocated_saturated_grid"))
+
+
+def _pair(r: dict[str, Any]) -> list[Any]:
+    """EPD goodput, colocated goodput and their ratio, marked where the load grid topped out."""
+    es, cs = bool(r.get("epd_saturated_grid")), bool(r.get("colocated_saturated_grid"))
+    return [_lb(r["epd_goodput"], es), _lb(r["colocated_goodput"], cs), _xb(r["ratio"], es, cs)]
+
+
+def _lb(v: float, saturated: bool) -> float | str:
+    """A figure taken at the top of the load grid (every load met the SLOs) is a lower bound."""
+    return f"≥ {v:.2f}" if saturated else v
+
+
+def _xb(ratio: float | None, num_bound: bool, den_bound: bool) -> str:
+    if ratio is None or not math.isfinite(ratio):
+        return _x(ratio)
+    return bounded_ratio(ratio, num_bound, den_bound)
+
+
+def _note(res: dict[str, Any]) -> str:
+    top = max(res.get("offered_qps") or [0], default=0)
+    return SATURATED_NOTE + (f" (the highest offered load was {top:g} requests/s)" if top else "")
 
 
 def _pct(v: float | None) -> str:

@@ -39,6 +39,17 @@ BAD_ARGS = [
     ("goodput", ["--real", "--image-size", "8x8"], "image size must be 14..4096"),
     ("goodput", ["--real", "--output-tokens", "0"], "output tokens must be 1..4096"),
     ("goodput", ["--window", "0"], "window_s must be > 0"),
+    # a load rounded to 0.000 divided by zero after the > 0 check
+    ("goodput", ["--qps", "0.0001"], "--qps values must be at least 0.001"),
+    # the cost model had no bound: --qps 1000000 grew to 2.4 GB in 12 s
+    ("goodput", ["--qps", "1000000"], "at most 100,000 simulated requests per load point (offered load x window"),
+    ("goodput", ["--qps", "1", "--window", "100000000"], "1 x 100,000,000 s = 100,000,000"),
+    ("goodput", ["--quick", "--qps", "5000"], "5,000 x 30 s"),  # --quick's window is the one checked
+    # cost-model options the real kind ignored
+    ("goodput", ["--real", "--tpot-slack", "2"], "--tpot-slack applies to the cost model only, not --real"),
+    ("goodput", ["--real", "--topologies", "none"], "--topologies applies to the cost model only"),
+    ("goodput", ["--real", "--text-tokens", "5", "--hot-set", "2", "--repeat-fraction", "0.1"],
+     "--text-tokens, --repeat-fraction, --hot-set apply to the cost model only"),
     ("scale", ["--workers", "1"], "workers must be 2..1000000"),
     ("scale", ["--requests", "0"], "requests must be 1..10000000"),
     ("scale", ["--encoder-share", "1"], "encoder_share must be between 0 and 1"),

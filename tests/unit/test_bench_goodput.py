@@ -70,3 +70,90 @@ def test_no_load_meeting_the_slos_is_written_as_null_not_nan(tmp_path, capsys):
     assert data["epd_over_colocated_4img"] is None and data["workload"] and data["window_s"] == 2.0  # --window kept
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "n/a (no load met the SLOs)" in out
+
+
+def _summary(tmp_path, qps: str) -> dict:
+    out = tmp_path / qps.replace(",", "_")
+    assert goodput.main(["--quick", "--no-plot", "--qps", qps, "--window", "3", "--topologies", "none",
+                         "--out", str(out)]) == 0  # fmt: skip
+    return json.loads((out / "goodput.json").read_text())
+
+
+def test_loads_are_swept_in_ascending_order_whatever_order_they_are_given_in(tmp_path, capsys):
+    # "--qps 4,2,1" stopped at 4 (or met it and never bisected) and reported a wrong goodput
+    ascending, shuffled = _summary(tmp_path, "1,2,4"), _summary(tmp_path, "4,2,1,2")
+    assert shuffled["summary"] == ascending["summary"]
+    assert shuffled["offered_qps"] == [1.0, 2.0, 4.0]
+    high_first = _summary(tmp_path, "20,2")
+    assert high_first["summary"]["epd_4img"]["max_qps_meeting_slo"] >= 2.0  # 2 was never offered: 0
+    sweep = goodput._Sweep("x", "epd", CostModel(), Workload(output_tokens=3), ttft_slo=100.0, tpot_slo=1.0,
+                           window_s=2.0, min_requests=3)  # fmt: skip
+    assert sweep.goodput([3.0, 1.0, 2.0], 0)["max_qps_meeting_slo"] == 3.0
+
+
+def test_real_config_sorts_and_deduplicates_its_loads():
+    from epdq.benchmarks.goodput_real import RealConfig
+
+    assert RealConfig(qps=(4.0, 1.0, 2.0, 1.0)).qps == (1.0, 2.0, 4.0)
+
+
+def test_a_topped_out_grid_is_marked_as_a_lower_bound(tmp_path, capsys):
+    data = _summary(tmp_path, "0.5,1")  # every load meets the SLOs: the goodput is only a lower bound
+    assert data["summary"]["epd_4img"]["saturated_grid"] is True
+    assert all(r["epd_saturated_grid"] and r["colocated_saturated_grid"] for r in data["sensitivity_tpot_slack"])
+    assert data["units"]["ttft_*"] == "s" and data["seed"] == 0
+    out = capsys.readouterr().out
+    assert "≥ 1.00" in out and "unknown (both ≥)" in out and "a lower bound" in out
+    assert "EPD / colocated goodput, 4 images per request: 1.00x" not in out
+
+
+def test_bounded_ratio_text():
+    from epdq.benchmarks.goodput_real import bounded_ratio
+
+    assert bounded_ratio(2.0, False, False) == "2.00x"
+    assert bounded_ratio(2.0, True, False) == "≥ 2.00x"
+    assert bounded_ratio(2.0, False, True) == "≤ 2.00x"
+    assert bounded_ratio(2.0, True, True).startswith("unknown")
+
+
+def test_print_real_marks_a_saturated_route(capsys):
+    from epdq.benchmarks.goodput_real import print_real
+
+    point = {"route": "epd", "offered_qps": 5.0, "completed": 3, "requests": 3, "ttft_p50": 0.1, "ttft_p99": 0.2,
+             "tpot_p50": 0.01, "tpot_p99": 0.02, "encode_p50": 0.01, "goodput_rps": 5.0, "meets_slo": True,
+             "first_error": None}  # fmt: skip
+    res = {"points": [point, point | {"route": "colocated", "offered_qps": 5.0, "meets_slo": False, "goodput_rps": 0.0}],
+           "slo": {"ttft_p99_s": 1.0, "tpot_p99_s": 0.05}, "startup_s": 1.0,
+           "systems": {"epd": "1 encoder + 1 PD (route epd)", "colocated": "2 colocated (route colocated)"},
+           "goodput_rps": {"epd": 5.0, "colocated": 2.0}, "epd_over_colocated": 2.5,
+           "saturated_grid": {"epd": True, "colocated": False}}  # fmt: skip
+    print_real(res)
+    out = capsys.readouterr().out
+    assert "EPD ≥ 5.00 req/s" in out and "colocated 2.00 req/s" in out and "≥ 2.50x" in out and "lower bound" in out
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_no_plot_removes_an_older_plot(tmp_path, real, monkeypatch):
+    # the old PNG stayed beside the new JSON and was read as this run's picture
+    name = "goodput-real" if real else "goodput"
+    (tmp_path / f"{name}.png").write_bytes(b"old")
+    if real:
+        async def fake_run_real(cfg, log=None):
+            return {"kind": "real"}
+
+        monkeypatch.setattr(goodput, "run_real", fake_run_real)
+        monkeypatch.setattr(goodput, "print_real", lambda res: None)
+        goodput.run(kind="real", out_dir=str(tmp_path), plot=False)
+    else:
+        goodput.run(kind="cost", out_dir=str(tmp_path), plot=False, qps_grid=[1.0], window_s=2.0, min_requests=3,
+                    refine=0, sensitivity=[1.5], topologies=[])  # fmt: skip
+    assert (tmp_path / f"{name}.json").exists() and not (tmp_path / f"{name}.png").exists()
+
+
+def test_a_usage_error_leaves_no_out_directory(tmp_path, capsys):
+    out = tmp_path / "new"
+    for argv in (["--image-size", "big"], ["--images", "0"], ["--qps", "0.0001"], ["--real", "--pd", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            goodput.main([*argv, "--out", str(out)])
+        assert exc.value.code == 2
+        assert not out.exists(), argv
