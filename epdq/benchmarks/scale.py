@@ -162,8 +162,7 @@ def run(
     """Run the scale benchmark; print tables; write scale.json. `plot` is accepted for symmetry (no plot)."""
     del plot
     _check_args(workers, requests, encoder_share, nodes, hot_set, repeat_fraction, text_only)
-    encoders = max(1, round(workers * encoder_share))
-    pds = max(1, workers - encoders)
+    encoders, pds = split_workers(workers, encoder_share)
     reqs = _make_requests(requests, seed, hot_set, repeat_fraction, text_only)
     n_images = sum(len(k) for k in reqs)
     bar = (
@@ -251,7 +250,9 @@ def run(
         bar.advance(bar.total - bar.done)
 
     res = {
-        "workers": {"encoders": encoders, "pds": pds, "nodes": nodes, "encoder_credit": 8, "pd_credit": 16},
+        "workers": {"encoders": encoders, "pds": pds, "nodes": nodes, "encoder_credit": 8, "pd_credit": 16,
+                    "encoder_share": encoder_share},
+        "seed": seed,
         "requests": requests, "images": n_images, "completed": done, "peak_queued": peak_queued,
         "workload": {"text_only": text_only, "images_per_request": "1-4 uniform", "repeat_fraction": repeat_fraction,
                      "hot_set": hot_set},
@@ -314,6 +315,13 @@ def _print(res: dict[str, Any]) -> None:
         print(table(["memory", "value"], rows, title="Memory (tracemalloc)"))
 
 
+def split_workers(workers: int, encoder_share: float) -> tuple[int, int]:
+    """(encoders, PD workers): `encoder_share` of `workers`, rounded, with at least one of each and
+    `workers` in all (2 workers at a share of 0.9 used to make 2 encoders + 1 PD)."""
+    encoders = min(workers - 1, max(1, round(workers * encoder_share)))
+    return encoders, workers - encoders
+
+
 def _check_args(
     workers: int, requests: int, encoder_share: float, nodes: int, hot_set: int = 1, repeat_fraction: float = 0.0,
     text_only: float = 0.0,
@@ -337,7 +345,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=100_000)
-    ap.add_argument("--encoder-share", type=float, default=0.2)
+    ap.add_argument("--encoder-share", type=float, default=0.2,
+                    help="share of --workers that are encoders, rounded; at least one encoder and one PD worker")
     ap.add_argument("--nodes", type=int, default=None, help="nodes the workers spread over (default: 50, at most --workers)")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
     ap.add_argument(

@@ -32,3 +32,14 @@ def test_scale_runs_when_the_workload_draws_no_image(tmp_path):
     # from the (empty) index and stop with StopIteration
     assert scale.main(["--workers", "10", "--requests", "1", "--seed", "1", "--out", str(tmp_path)]) in (0, None)
     assert json.loads((tmp_path / "scale.json").read_text())["completed"] == 1
+
+
+def test_encoders_and_pd_workers_add_up_to_the_workers_asked_for(tmp_path):
+    # 2 workers at an encoder share of 0.9 ran "2 encoders + 1 PD": 3 workers
+    assert scale.split_workers(2, 0.9) == (1, 1)
+    assert scale.split_workers(2, 0.01) == (1, 1)
+    assert scale.split_workers(10, 0.2) == (2, 8)
+    res = scale.run(workers=2, requests=5, encoder_share=0.9, nodes=1, memory=False, out_dir=str(tmp_path), seed=3)
+    assert (res["workers"]["encoders"], res["workers"]["pds"]) == (1, 1)
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert data["seed"] == 3 and data["workers"]["encoder_share"] == 0.9
