@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.report import Progress, check_out_dir, percentile, table, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, percentile, remove_stale, table, write_json
 
 IMAGE_SIZE = (64, 64)
 PROMPT = "Describe this image."
@@ -43,6 +43,10 @@ TARGET_THROUGHPUT_X = 5.0
 TARGET_LATENCY_RATIO = 1 / 3
 TARGET_RPS = 10_000.0
 MAX_CONCURRENCY = 1024  # the broker's default queue bound: beyond it requests are refused, not measured
+MAX_REQUESTS = 1_000_000  # per phase (and warm-up requests per system and workload)
+# fresh images are made before the run (~0.5 KB and ~0.1 ms each): warm-up + requests x levels
+MAX_IMAGES = 2_000_000
+IMAGE_CHUNK = 256  # images made between two yields to the event loop (Ctrl-C is handled there)
 EPDQ = "epdq"
 HTTP_VLLM = "http-vllm"
 HTTP_KEEPALIVE = "http-keepalive"
@@ -53,13 +57,25 @@ BASELINE_WORKLOAD = {"miss": "image", "hit": "image", "text": "text"}
 class _Images:
     """Distinct PNGs for 'miss' requests (every byte string unique), made ahead of time."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, items: list[bytes] | None = None):
         from epdq.demo import demo_image
 
         # demo_image stamps its seed into the pixels, so every seed gives a distinct picture
-        self.items = [demo_image(seed, IMAGE_SIZE) for seed in range(1, n + 1)]
+        self.items = [demo_image(seed, IMAGE_SIZE) for seed in range(1, n + 1)] if items is None else items
         self.hit = demo_image(0, IMAGE_SIZE)  # never among the fresh ones (seed 0)
         self._next = 0
+
+    @classmethod
+    async def make(cls, n: int) -> _Images:
+        """The same images, made in chunks with a yield to the event loop between them: Ctrl-C
+        (which cancels the main task) stops a large run here at once, not after the last image."""
+        from epdq.demo import demo_image
+
+        items: list[bytes] = []
+        for start in range(1, n + 1, IMAGE_CHUNK):
+            await asyncio.sleep(0)
+            items.extend(demo_image(seed, IMAGE_SIZE) for seed in range(start, min(n + 1, start + IMAGE_CHUNK)))
+        return cls(n, items)
 
     def take(self, n: int) -> list[bytes]:
         out = self.items[self._next : self._next + n]
@@ -275,10 +291,16 @@ def run(
 def _check_args(conc: list[int], requests: int, warmup: int | None) -> None:
     if not conc or min(conc) < 1 or max(conc) > MAX_CONCURRENCY:
         raise ValueError(f"concurrency values must be 1..{MAX_CONCURRENCY}, not {conc}")
-    if requests < 1:
-        raise ValueError(f"requests must be >= 1, not {requests}")
-    if warmup is not None and warmup < 0:
-        raise ValueError(f"warmup must be >= 0, not {warmup}")
+    if not 1 <= requests <= MAX_REQUESTS:
+        raise ValueError(f"requests must be >= 1 and at most {MAX_REQUESTS:,} per phase, not {requests}")
+    if warmup is not None and not 0 <= warmup <= MAX_REQUESTS:
+        raise ValueError(f"warmup must be >= 0 and at most {MAX_REQUESTS:,}, not {warmup}")
+    warm = max(20, requests // 10) if warmup is None else warmup
+    n = warm + requests * len(conc)
+    if n > MAX_IMAGES:
+        raise ValueError(f"at most {MAX_IMAGES:,} fresh images per run (warm-up + requests x concurrency levels: "
+                         f"{warm:,} + {requests:,} x {len(conc)} = {n:,}), made before it starts; "
+                         "lower --requests or give fewer levels")  # fmt: skip
 
 
 def _run_loop(coro):
@@ -313,7 +335,7 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
     else:
         prog = Progress(total, "control-plane benchmark", force=bool(progress))
 
-    images = _Images(warm + requests * len(conc))
+    images = await _Images.make(warm + requests * len(conc))
     miss_warm = images.take(warm)
     miss_by_conc = {c: images.take(requests) for c in conc}
     results: list[dict] = []
@@ -395,6 +417,7 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
         **info,
     }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale(out_dir / "control.png")  # an older run's plot must not stand beside this run's JSON
     path = write_json(out_dir / "control.json", "control", data)
     data["json_path"] = str(path)
     if plot:
@@ -513,12 +536,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32],
                     help="concurrency levels, each measured in turn (default: 1 32)")  # fmt: skip
-    ap.add_argument("--requests", type=int, default=2000, help="measured requests per phase")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests per system and workload")
+    ap.add_argument("--requests", type=int, default=2000,
+                    help=f"measured requests per phase (at most {MAX_REQUESTS:,}; warm-up + requests x levels "
+                    f"at most {MAX_IMAGES:,})")  # fmt: skip
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up requests per system and workload (default max(20, requests / 10))")
+
     ap.add_argument(
         "--out", "--out-dir", dest="out", default="bench-results", help="directory for control.json and control.png"
     )
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="no control.png (an older one in --out is removed)")
     ap.add_argument("--no-http", action="store_true", help="epdq only (no HTTP baseline)")
     ap.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
     a = ap.parse_args(argv)

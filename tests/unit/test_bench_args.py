@@ -19,6 +19,11 @@ BAD_ARGS = [
     ("control", ["--concurrency", "1", "0"], "concurrency values must be 1..1024"),
     ("control", ["--concurrency", "5000"], "concurrency values must be 1..1024"),
     ("control", ["--warmup", "-1"], "warmup must be >= 0"),
+    # no upper bound: --requests 2000000000 grew ~6 MB/s making images before anything ran
+    ("control", ["--requests", "2000000000"], "at most 1,000,000 per phase"),
+    ("control", ["--warmup", "2000000000"], "warmup must be >= 0 and at most 1,000,000"),
+    ("control", ["--requests", "1000000", "--concurrency", "1", "2", "4"],
+     "at most 2,000,000 fresh images per run (warm-up + requests x concurrency levels: 100,000 + 1,000,000 x 3"),
     ("goodput", ["--images", "0"], "images_per_request must be an integer in 1..64"),
     ("goodput", ["--image-size", "big"], "--image-size must be WIDTHxHEIGHT"),
     ("goodput", ["--image-size", "0x512"], "image_size must be (width, height)"),

@@ -62,7 +62,34 @@ def test_fresh_images_stay_distinct_past_the_patterns_period():
 
 def test_a_concurrency_given_twice_runs_once(tmp_path):
     # the second run of a level reused the first one's images: its "misses" were all cache hits
+    (tmp_path / "control.png").write_bytes(b"an older run's plot")  # --no-plot left it beside the new JSON
     assert control.main(["--requests", "5", "--concurrency", "1", "1", "--no-http", "--no-plot", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "control.json").read_text())
     assert [(r["workload"], r["concurrency"]) for r in saved["results"]] == [("miss", 1), ("hit", 1), ("text", 1)]
+    assert not (tmp_path / "control.png").exists()
     assert not saved["targets"] or all("at 1" not in t["target"] or "req/s" not in t["target"] for t in saved["targets"])
+
+
+def test_making_the_images_yields_to_the_event_loop(monkeypatch):
+    # made in one go, 300,000 images kept Ctrl-C (a cancellation of the main task) waiting ~25 s
+    import asyncio
+
+    import epdq.demo
+
+    made = []
+    real = epdq.demo.demo_image
+    monkeypatch.setattr(epdq.demo, "demo_image", lambda seed, size: made.append(seed) or real(seed, (2, 2)))
+
+    async def cancel_early():
+        task = asyncio.create_task(control._Images.make(100 * control.IMAGE_CHUNK))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_early())
+    assert 0 < len(made) <= 3 * control.IMAGE_CHUNK
+    made.clear()
+    images = asyncio.run(control._Images.make(control.IMAGE_CHUNK + 3))
+    assert len(set(images.items)) == control.IMAGE_CHUNK + 3 and images.hit not in images.items
