@@ -53,10 +53,18 @@ from pathlib import Path
 from typing import Any
 
 from epdq.benchmarks import handoff_report
-from epdq.benchmarks.handoff_common import HIDDEN, METHODS, MIB, SHM_ROOT, _align, _run_children
-from epdq.benchmarks.handoff_gpu import render_cuda, run_cuda
+from epdq.benchmarks.handoff_common import (
+    HIDDEN,
+    METHODS,
+    MIB,
+    SHM_ROOT,
+    HandoffResourceError,
+    _align,
+    _run_children,
+)
+from epdq.benchmarks.handoff_gpu import _cuda_available, render_cuda, run_cuda
 from epdq.benchmarks.handoff_report import render, summarise
-from epdq.benchmarks.report import Progress, check_out_dir, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, write_json
 
 __all__ = ["SHM_ROOT", "main", "render", "render_cuda", "run"]
 
@@ -89,9 +97,10 @@ def run(
     """
     sizes = [float(s) for s in sizes_mib]
     _check_args(sizes, repeats, warmup, dtype, pool_mib, ring_mib)
-    itemsize = 4 if dtype == "float32" else 2
-    rows = [max(1, round(s * MIB / (HIDDEN * itemsize))) for s in sizes]
-    biggest = max(rows) * HIDDEN * itemsize
+    # before the CPU part runs: a bad --device, or --cuda without CUDA, used to surface after it
+    device = check_cuda(cuda, device)
+    rows, pool_bytes, ring_bytes = _sizes(sizes, dtype, pool_mib, ring_mib)
+    check_memory(pool_bytes, ring_bytes, pool_mib, ring_mib)
     methods = [m for m in METHODS if curve or m != "fetch_curve"]
     cfg: dict[str, Any] = {
         "sizes_mib": sizes,
@@ -101,9 +110,8 @@ def run(
         "repeats": repeats,
         "warmup": warmup,
         "methods": methods,
-        # pools and the ring hold at least 4 of the biggest entries, so every transfer moves cold bytes
-        "pool_bytes": max(pool_mib * MIB, 4 * _align(biggest)),
-        "ring_bytes": max(ring_mib * MIB, 4 * (_align(biggest) + 4096)),
+        "pool_bytes": pool_bytes,
+        "ring_bytes": ring_bytes,
         "seed": secrets.randbits(32),
     }
     for name, asked in (("pool", pool_mib), ("ring", ring_mib)):
@@ -120,10 +128,79 @@ def run(
     print(render(data), flush=True)
     print(render_cuda(data["cuda"], cfg), flush=True)
     out = Path(out_dir)
+    remove_stale(out / "handoff.png")  # an older run's plot must not stand beside this run's JSON
     path = write_json(out / "handoff.json", "handoff", data)
     if plot:
         handoff_report.plot(data, out / "handoff.png")
     return json.loads(path.read_text())
+
+
+def _sizes(sizes: list[float], dtype: str, pool_mib: int, ring_mib: int) -> tuple[list[int], int, int]:
+    """(rows per size, pool bytes, ring bytes) as the children allocate them."""
+    itemsize = 4 if dtype == "float32" else 2
+    rows = [max(1, round(s * MIB / (HIDDEN * itemsize))) for s in sizes]
+    biggest = max(rows) * HIDDEN * itemsize
+    # pools and the ring hold at least 4 of the biggest entries, so every transfer moves cold bytes
+    return rows, max(pool_mib * MIB, 4 * _align(biggest)), max(ring_mib * MIB, 4 * (_align(biggest) + 4096))
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _shm_free() -> int | None:
+    try:
+        st = os.statvfs(SHM_ROOT)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_memory(pool_bytes: int, ring_bytes: int, pool_mib: int, ring_mib: int) -> None:
+    """ValueError when the children's pools and ring cannot fit: the writer holds two pools (sources,
+    memcpy destinations) and the ring (on /dev/shm), the reader one pool; the GPU rows, run after
+    them, hold less host memory. (40000 MiB pools on a 23 GiB machine ended in a child's traceback.)"""
+    need = 3 * pool_bytes + ring_bytes
+    avail = _available_memory()
+    if avail is not None and need > avail:
+        raise ValueError(
+            f"--pool-mib {pool_mib} and --ring-mib {ring_mib} need about {need / MIB:,.0f} MiB of memory (3 pools of "
+            f"{pool_bytes / MIB:,.0f} MiB and a {ring_bytes / MIB:,.0f} MiB ring), but only {avail / MIB:,.0f} MiB "
+            "is available (MemAvailable)"
+        )  # fmt: skip
+    shm = _shm_free()
+    if shm is not None and ring_bytes > shm:
+        raise ValueError(f"--ring-mib {ring_mib}: the {ring_bytes / MIB:,.0f} MiB ring does not fit in {SHM_ROOT} "
+                         f"({shm / MIB:,.0f} MiB free)")  # fmt: skip
+
+
+def check_cuda(cuda: bool | None, device: str) -> str:
+    """The canonical device for the GPU rows; ValueError for a malformed device, for --cuda asked
+    for on a machine without CUDA, or for a CUDA device that is not there. `cuda=None` without CUDA
+    passes: the GPU rows are reported as skipped."""
+    from epdq.worker.devices import check_device, parse_device
+
+    try:
+        device = parse_device(device)
+    except ValueError:
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, not {device!r}") from None
+    if cuda is False or device == "cpu":  # "cpu": a dry run of the GPU rows' processes (tests)
+        return device
+    ok, why = _cuda_available()
+    if not ok:
+        if cuda:
+            raise ValueError(f"--cuda was asked for, but this machine has {why}: leave --cuda out (the GPU rows are "
+                             "then reported as skipped) or give --no-cuda")  # fmt: skip
+        return device
+    return check_device(device)  # DeviceUnavailableError (a ValueError): cuda:N beyond the visible devices
 
 
 def _check_args(sizes: list[float], repeats: int, warmup: int, dtype: str, pool_mib: int, ring_mib: int) -> None:
@@ -156,10 +233,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
     ap.add_argument("--curve", action="store_true", help="also measure the fetch path with CURVE encryption")
     ap.add_argument("--pool-mib", type=int, default=256, help="pool that sources/destinations cycle through")
     ap.add_argument("--ring-mib", type=int, default=256, help="ring capacity")
-    ap.add_argument("--no-plot", action="store_true", help="skip handoff.png")
+    ap.add_argument("--no-plot", action="store_true", help="skip handoff.png (an older one in --out is removed)")
     ap.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
-                    help="GPU hand-offs too (default: when CUDA is available)")  # fmt: skip
-    ap.add_argument("--device", default="cuda:0", help="GPU for the CUDA hand-offs")
+                    help="GPU hand-offs too (default: when CUDA is available, else reported as skipped; "
+                    "--cuda without CUDA is an error)")  # fmt: skip
+    ap.add_argument("--device", default="cuda:0", help="GPU for the CUDA hand-offs: cuda or cuda:N (default cuda:0)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar (default: when stderr is a terminal)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -169,14 +247,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
         ap.error(f"--sizes must be numbers separated by commas, not {args.sizes!r}")
     try:
         _check_args(list(sizes), args.repeats, args.warmup, args.dtype, args.pool_mib, args.ring_mib)
+        check_cuda(args.cuda, args.device)
+        _, pool_bytes, ring_bytes = _sizes(list(sizes), args.dtype, args.pool_mib, args.ring_mib)
+        check_memory(pool_bytes, ring_bytes, args.pool_mib, args.ring_mib)
         check_out_dir(args.out)
     except ValueError as e:
         ap.error(str(e))
-    run(
-        sizes_mib=sizes, repeats=args.repeats, out_dir=args.out, plot=not args.no_plot,
-        progress=args.progress, curve=args.curve, dtype=args.dtype, warmup=args.warmup,
-        pool_mib=args.pool_mib, ring_mib=args.ring_mib, cuda=args.cuda, device=args.device,
-    )  # fmt: skip
+    try:
+        run(
+            sizes_mib=sizes, repeats=args.repeats, out_dir=args.out, plot=not args.no_plot,
+            progress=args.progress, curve=args.curve, dtype=args.dtype, warmup=args.warmup,
+            pool_mib=args.pool_mib, ring_mib=args.ring_mib, cuda=args.cuda, device=args.device,
+        )  # fmt: skip
+    except HandoffResourceError as e:  # memory ran out in a child after all: one line, not a traceback
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -75,6 +75,12 @@ _NOTE = struct.Struct("<BBxxIQQQ16sI")
 _ACK = struct.Struct("<Iqqqq")
 _OK, _READY, _FAILED = 0, 1, 2
 _LINE = b"@@handoff "  # prefix of the writer's protocol lines on its stdout
+_NO_MEMORY = 75  # a child's exit status when it could not allocate its pools or ring
+_NO_MEMORY_LINE = "@@handoff-no-memory "  # its one-line reason, on its stderr
+
+
+class HandoffResourceError(RuntimeError):
+    """A child could not get the memory it needs (its pools, the ring): one line, no traceback."""
 
 
 # ------------------------------------------------------------------ the parent: start, watch, clean up
@@ -136,6 +142,7 @@ def _run_children(cfg: dict[str, Any], bar: Progress, timeout_s: float, prefix: 
                 result = json.loads(value)
         for p in procs:
             p.wait(timeout=timeout_s)
+        _raise_if_out_of_memory(procs, logs, prefix)
         if result is None or writer.returncode or reader.returncode:
             raise RuntimeError(
                 f"hand-off benchmark children failed (writer rc={writer.returncode}, reader rc="
@@ -166,6 +173,18 @@ def _run_children(cfg: dict[str, Any], bar: Progress, timeout_s: float, prefix: 
                 os.unlink(os.path.join(SHM_ROOT, segment))
         for d in tmp:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _raise_if_out_of_memory(procs: list[subprocess.Popen], logs: list[Any], prefix: str) -> None:
+    for role, p, log in zip((f"{prefix}writer", f"{prefix}reader"), procs, logs, strict=True):
+        if p.returncode == _NO_MEMORY:
+            why = next((line.split(_NO_MEMORY_LINE, 1)[1] for line in _tail(log).splitlines()
+                        if _NO_MEMORY_LINE in line), "out of memory")  # fmt: skip
+            raise HandoffResourceError(f"the hand-off benchmark's {role} could not allocate memory ({why}); "
+                                       "lower --pool-mib, --ring-mib or --sizes")  # fmt: skip
+        if p.returncode == -signal.SIGKILL:
+            raise HandoffResourceError(f"the hand-off benchmark's {role} was killed (SIGKILL: out of memory?); "
+                                       "lower --pool-mib, --ring-mib or --sizes")  # fmt: skip
 
 
 def _lines(proc: subprocess.Popen, timeout_s: float):
@@ -219,14 +238,35 @@ def _child() -> None:
         from epdq.benchmarks import handoff_cpu as side
     else:
         from epdq.benchmarks import handoff_gpu as side
-    if role == "writer":
-        _run_loop(side._Writer(cfg, int(a), int(b)).main())
-    elif role == "reader":
-        side._reader_main(cfg, int(a), int(b))
-    elif role == "cuda-writer":
-        side._cuda_writer_main(cfg, int(a), int(b))
-    else:
-        side._cuda_reader_main(cfg, int(a), int(b))
+    try:
+        if role == "writer":
+            _run_loop(side._Writer(cfg, int(a), int(b)).main())
+        elif role == "reader":
+            side._reader_main(cfg, int(a), int(b))
+        elif role == "cuda-writer":
+            side._cuda_writer_main(cfg, int(a), int(b))
+        else:
+            side._cuda_reader_main(cfg, int(a), int(b))
+    except (MemoryError, RuntimeError, OSError) as e:
+        if not _out_of_memory(e):
+            raise
+        # one line for the parent to report, not a traceback from each child
+        sys.stderr.write(f"{_NO_MEMORY_LINE}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500] + "\n")
+        sys.stderr.flush()
+        sys.exit(_NO_MEMORY)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's allocators raise RuntimeError ("can't allocate memory", CUDA "out of memory"); a
+    shared-memory segment too big for /dev/shm raises OSError ENOMEM or ENOSPC."""
+    import errno
+
+    if isinstance(e, MemoryError):
+        return True
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOMEM, errno.ENOSPC)
+    text = str(e).lower()
+    return "can't allocate memory" in text or "out of memory" in text
 
 
 def _run_loop(coro: Any) -> None:

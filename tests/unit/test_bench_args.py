@@ -15,6 +15,7 @@ BAD_ARGS = [
     ("handoff", ["--sizes", "0"], "sizes must be in (0, 1024] MiB"),
     ("handoff", ["--repeats", "0"], "repeats must be >= 1"),
     ("handoff", ["--pool-mib", "0"], "pool and ring sizes"),
+    ("handoff", ["--device", "bogus"], "--device must be cpu, cuda or cuda:N, not 'bogus'"),
     ("control", ["--requests", "0"], "requests must be >= 1"),
     ("control", ["--concurrency", "1", "0"], "concurrency values must be 1..1024"),
     ("control", ["--concurrency", "5000"], "concurrency values must be 1..1024"),

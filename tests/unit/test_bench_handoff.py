@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from epdq.benchmarks import handoff
 
 
@@ -31,3 +33,75 @@ def test_handoff_benchmark_small(tmp_path, capsys):
     # the writer's ring segment and the safetensors directory are gone
     leftovers = set(os.listdir(handoff.SHM_ROOT)) - before
     assert not {n for n in leftovers if n.startswith(("epdq-bench-handoff-", f"epdq-{os.getuid()}-bench-"))}
+
+
+def test_no_plot_removes_an_older_plot(tmp_path, capsys):
+    # --no-plot into a directory of an older run left its handoff.png beside the new JSON
+    (tmp_path / "handoff.png").write_bytes(b"an older run's plot")
+    handoff.run(sizes_mib=(1,), repeats=1, warmup=0, out_dir=tmp_path, plot=False, progress=False, pool_mib=16,
+                ring_mib=16, cuda=False)  # fmt: skip
+    assert (tmp_path / "handoff.json").exists() and not (tmp_path / "handoff.png").exists()
+
+
+def _no_children(*_a, **_k):
+    raise AssertionError("the benchmark ran before its arguments were checked")
+
+
+def test_cuda_asked_for_without_cuda_is_an_error_before_anything_runs(tmp_path, capsys, monkeypatch):
+    # it exited 0 with "skipped: no CUDA" rows; a bad --device was never checked, or only after the CPU part
+    monkeypatch.setattr(handoff, "_cuda_available", lambda: (False, "no CUDA"))
+    monkeypatch.setattr(handoff, "_run_children", _no_children)
+    for argv, message in ((["--cuda"], "--cuda was asked for, but this machine has no CUDA"),
+                          (["--device", "bogus"], "--device must be cpu, cuda or cuda:N, not 'bogus'"),
+                          (["--no-cuda", "--device", "cuda:x"], "--device must be")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            handoff.main([*argv, "--out", str(tmp_path / "out")], prog="epdq bench handoff")
+        assert exc.value.code == 2
+        assert f"epdq bench handoff: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="--cuda was asked for"):
+        handoff.run(sizes_mib=(1,), out_dir=tmp_path, cuda=True, device="cuda:0")
+    with pytest.raises(ValueError, match="--device must be"):
+        handoff.run(sizes_mib=(1,), out_dir=tmp_path, device="gpu0")
+    # not asked for explicitly: the GPU rows are reported as skipped, as before
+    assert handoff.check_cuda(None, "cuda:0") == "cuda:0"
+    assert handoff.check_cuda(True, "cpu") == "cpu"  # the dry run of the GPU rows' processes
+
+
+def test_pools_larger_than_the_available_memory_are_a_usage_error(tmp_path, capsys, monkeypatch):
+    # --pool-mib 40000 on a 23 GiB machine ended in a traceback from the children
+    monkeypatch.setattr(handoff, "_available_memory", lambda: 100 * handoff.MIB)
+    monkeypatch.setattr(handoff, "_run_children", _no_children)
+    with pytest.raises(SystemExit) as exc:
+        handoff.main(["--pool-mib", "64", "--ring-mib", "16", "--sizes", "1", "--out", str(tmp_path)],
+                     prog="epdq bench handoff")  # fmt: skip
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pool-mib 64 and --ring-mib 16 need about 208 MiB of memory" in err and "only 100 MiB is available" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_child_that_cannot_allocate_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    from epdq.benchmarks import handoff_common
+
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":  # always overcommit: the allocation would succeed, then OOM
+            pytest.skip("vm.overcommit_memory=1")
+    rows, pool, ring = handoff._sizes([1.0], "bfloat16", 16, 16)
+    cfg = {"sizes_mib": [1.0], "rows": rows, "hidden": handoff.HIDDEN, "dtype": "bfloat16", "repeats": 1,
+           "warmup": 0, "methods": ["memcpy", "ring_view", "ring", "fetch_tcp", "safetensors"],
+           "pool_bytes": 1 << 50, "ring_bytes": ring, "seed": 1}  # fmt: skip
+    bar = handoff.Progress(1, "x")
+    with pytest.raises(handoff_common.HandoffResourceError) as exc:
+        handoff_common._run_children(cfg, bar, 60.0)
+    msg = str(exc.value)
+    assert "writer could not allocate memory" in msg and "\n" not in msg and "Traceback" not in msg
+
+    def out_of_memory(**_kw):
+        raise handoff_common.HandoffResourceError(msg)
+
+    monkeypatch.setattr(handoff, "run", out_of_memory)
+    assert handoff.main(["--sizes", "1", "--out", str(tmp_path)], prog="epdq bench handoff") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("epdq bench handoff: error: the hand-off benchmark's writer could not allocate memory")
+    assert len(err.strip().splitlines()) == 1
