@@ -256,10 +256,7 @@ class AsyncClient:
                 ch.send(P.encode(P.Cancel(rid)))
             except zmq.ZMQError:
                 pass
-            self._streams[rid].put_nowait(BrokerUnavailableError("client closed", request_id=rid))
-        for fut in self._stats_waiters.values():
-            if not fut.done():
-                fut.set_exception(BrokerUnavailableError("client closed"))
+        self._fail_all(BrokerUnavailableError("client closed"))
         self._close_channel()
 
     def _on_frames(self, frames: list[Any]) -> None:
