@@ -83,6 +83,12 @@ class StaleEmbeddingError(EpdqError):
     retryable = True
 
 
+class EntryPending(StaleEmbeddingError):
+    """A ring entry is announced but its bytes are still being copied in (`RingWriter.reserve`).
+    A StaleEmbeddingError, so a caller that does not wait (`RingReader.wait_published`) takes it
+    as gone and has the image encoded again: never wrong, only slower."""
+
+
 class FetchFailedError(StaleEmbeddingError):
     """A PD worker could not fetch an embedding from an encoder on another node (no answer, or the
     link refused): the broker re-encodes it a few times (it may land on a reachable encoder), then

@@ -6,6 +6,10 @@ that header still names the entry they were told about, checked before AND after
 
 Overwrite protocol (a seqlock without a counter): the writer first sets the generation of every
 old entry that the new entry's window touches to 0, then writes the data, then the new header.
+An entry can be announced before its bytes are in (`reserve`, then `fill`): its header then
+carries the "being written" magic, and a reader that finds it waits for the real one
+(`RingReader.wait_published`) instead of taking the entry as stale. The encoder announces that
+way, so its completion event travels to the broker and on to a PD worker while it copies.
 A reader whose after-copy check still sees the old generation copied bytes no one had started
 to overwrite. This relies on x86 ordering: loads are not reordered with loads, and the writer
 puts a full fence (an atomic read-modify-write) after the invalidation so that memcpy's
@@ -19,6 +23,7 @@ flag, not a count: the broker keeps the count of requests that need an entry.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import fcntl
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry, entry_span
 from epdq.transport import pid_alive as _pid_alive  # one liveness test for segments and socket files
 
@@ -46,6 +51,7 @@ KEY_BYTES = 16
 MIN_CAPACITY = 1 << 20
 MAX_CAPACITY = 64 << 30
 _MAGIC = b"EPDQRNG1"
+_PENDING = b"EPDQRNGW"  # an entry placed and announced, its bytes still being copied in (reserve -> fill)
 _HDR = struct.Struct("<8s16sQQ")  # magic, key, generation, nbytes; rest of the 64 B is zero
 _GEN = struct.Struct("<Q")
 _GEN_AT = 24  # offset of the generation inside the header
@@ -54,6 +60,14 @@ _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 # Its bytes stay valid either way; the look only lets go of a dead encoder's pages, and costs
 # ~15 us with cold caches, which is what a PD worker woken by a new request has.
 RELINK_CHECK_S = 1.0
+# A reader waiting for an announced entry (RingReader.wait_published) busy-waits for about as long
+# as the encoder's copy takes, bounded, then polls the header from the event loop until the timeout.
+MIN_SPIN_S = 50e-6
+MAX_SPIN_S = 1e-3
+SPIN_BYTES_PER_S = 2e9
+POLL_S = 1e-3
+MAX_POLL_S = 20e-3
+PUBLISH_TIMEOUT_S = 2.0
 # real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
 _PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
 
@@ -111,7 +125,10 @@ def _unlink_segment(path: str, creator_pid: int) -> None:
 
 
 class RingWriter:
-    """The encoder's ring. All methods are thread-safe (one lock; `write` holds it for its copy)."""
+    """The encoder's ring. All methods are thread-safe (one lock; `write` and `fill` hold it for
+    their copy)."""
+
+    announces_early = True  # reserve + fill: see the module docstring (a CUDA ring does not)
 
     def __init__(self, capacity_bytes: int, *, owner_tag: str = "enc"):
         if not isinstance(capacity_bytes, int) or not MIN_CAPACITY <= capacity_bytes <= MAX_CAPACITY:
@@ -190,6 +207,45 @@ class RingWriter:
             start = self._space.find_window(span)
             return None if start is None else self._place(start, span, key, tensor, nbytes)
 
+    def reserve(self, key: bytes, nbytes: int) -> EntryLoc | None:
+        """Place a new pinned entry of `nbytes` without its bytes: its header says "being written"
+        until `fill` copies them in, so its location can be announced first (readers wait for it).
+        A key already resident is pinned and returned as it is (its `fill` then does nothing).
+        None if every window is pinned."""
+        # The encoder's hot path, run with the caches its vision forward left cold: few calls.
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            _check_key(key)
+        span = HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN  # entry_span, inlined
+        if span > self.capacity or nbytes < 0:
+            raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            space = self._space
+            old = space.by_key.get(key)
+            if old is not None:
+                space.set_pinned(old, True)
+                return old.loc()
+            start = space.find_window(span)
+            if start is None:
+                return None
+            return self._claim(start, span, key, nbytes).loc()
+
+    def fill(self, key: bytes, generation: int, tensor: torch.Tensor) -> bool:
+        """Copy `tensor` into the entry `reserve` made and publish it. False if that entry is no
+        longer here (cleared by a re-registration, or failed): nothing is written then."""
+        with self._lock:
+            e = self._space.by_key.get(key)
+            if e is None or e.generation != generation or self._closed:
+                return False
+            if e.published:
+                return True  # a duplicate: the resident entry `reserve` returned
+            if tensor.nbytes != e.nbytes:
+                self._drop_unpublished(e)
+                raise ValueError(f"entry {key.hex()} was reserved for {e.nbytes} bytes, not {tensor.nbytes}")
+            self._copy_in(e, tensor, announced=True)
+            return True
+
     def pin(self, key: bytes, generation: int) -> bool:
         with self._lock:
             e = self._space.by_key.get(key)
@@ -241,6 +297,8 @@ class RingWriter:
             e = self._space.by_key.get(key)
             if e is None or (e.start + HEADER_BYTES, e.nbytes, e.generation) != (offset, nbytes, generation):
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
+            if not e.published:
+                raise EntryPending(f"entry {key.hex()}@{generation} is still being written")
         data = self._mm[offset : offset + nbytes]
         if not _header_ok(self._mm, offset - HEADER_BYTES, key, generation, nbytes):
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} was overwritten while copied")
@@ -282,19 +340,38 @@ class RingWriter:
         if report:
             self._evicted.append((e.key, e.generation))
 
-    def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
-        victims = self._space.overlapping(start, start + span)
-        for victim in victims:
-            self._evict(victim)
+    def _claim(self, start: int, span: int, key: bytes, nbytes: int) -> _Entry:
+        """Take the window at `start` for a new pinned entry: evict what it overlaps, record it."""
+        space = self._space
+        victims = space.overlapping(start, start + span)
         if victims:
+            mm, evicted = self._mm, self._evicted
+            for v in victims:
+                # invalidate first, so that a reader mid-copy fails its after-copy check
+                _GEN.pack_into(mm, v.start + _GEN_AT, 0)
+                space.remove(v)
+                evicted.append((v.key, v.generation))
             # the invalidations must be visible before any byte of the new data
             _full_fence(self._fence)
-        e = _Entry(key, self._next_gen, start, span, nbytes)
-        self._next_gen += 1
-        self._space.add(e)
+        gen = self._next_gen
+        self._next_gen = gen + 1
+        e = _Entry(key, gen, start, span, nbytes, False)
+        space.add(e)
+        # nobody has been told of this entry yet, so the header may be written in any order here
+        _HDR.pack_into(self._mm, start, _PENDING, key, gen, nbytes)
+        return e
+
+    def _drop_unpublished(self, e: _Entry, announced: bool = True) -> None:
+        # its location may have been announced: reported evicted, the broker has it encoded again
+        self._space.set_pinned(e, False)
+        self._evict(e, report=announced)
+
+    def _copy_in(self, e: _Entry, tensor: torch.Tensor, *, announced: bool = False) -> None:
+        """The bytes of a claimed entry, then its header (which publishes it)."""
+        nbytes = e.nbytes
         try:
             if nbytes:
-                offset = start + HEADER_BYTES
+                offset = e.start + HEADER_BYTES
                 if tensor.dtype in _PLAIN_DTYPES and tensor.is_cpu and tensor.is_contiguous():
                     ctypes.memmove(self._base + offset, tensor.data_ptr(), nbytes)
                 else:
@@ -303,12 +380,19 @@ class RingWriter:
                         view.view(tensor.shape).copy_(tensor)
                     del view
         except BaseException:
-            self._space.set_pinned(e, False)
-            self._evict(e, report=False)  # never published
+            self._drop_unpublished(e, announced)  # never published
             raise
-        # after the data: glibc's large copies end with a store fence (their non-temporal stores
-        # are weakly ordered), and x86 keeps ordinary stores in order
-        _HDR.pack_into(self._mm, start, _MAGIC, key, e.generation, nbytes)
+        # After the data: glibc's large copies end with a store fence (their non-temporal stores
+        # are weakly ordered), and x86 keeps ordinary stores in order. Only the magic changes, in
+        # one aligned 8-byte store: a reader spinning on the header (wait_published) sees the
+        # header before or after it, never in between (struct's pack_into clears the fields
+        # before it writes them).
+        self._mm[e.start : e.start + len(_MAGIC)] = _MAGIC
+        e.published = True
+
+    def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
+        e = self._claim(start, span, key, nbytes)
+        self._copy_in(e, tensor)
         return e.loc()
 
 
@@ -371,7 +455,8 @@ class RingReader:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Copy one entry into a fresh tensor (or `out`): one memcpy, checked before and after."""
-        seg, hdr = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
+        seg, _ = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
+        hdr = offset - HEADER_BYTES
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
@@ -388,9 +473,20 @@ class RingReader:
     ) -> torch.Tensor:  # fmt: skip
         """A zero-copy tensor over one entry, checked now. Its bytes are trustworthy only once
         `check()` passes AFTER the consumer has copied them (the broker's pin normally keeps the
-        entry in place; the check catches the case where it did not)."""
+        entry in place; the check catches the case where it did not). EntryPending if the entry
+        is announced but its bytes are not in yet (see `view_early`)."""
         seg, _ = self._locate(segment, offset, nbytes, key, generation, dtype, shape)
         return seg.tensor(dtype, offset, shape)
+
+    def view_early(
+        self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, dtype: torch.dtype,
+        shape: tuple[int, ...],
+    ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """`view`, also of an entry whose bytes are still being copied in: (view, published). An
+        unpublished view must not be read before `spin` or `wait_published` says the bytes are in;
+        making it first takes the reader's own work out of the wait."""
+        seg, published = self._locate(segment, offset, nbytes, key, generation, dtype, shape, pending_ok=True)
+        return seg.tensor(dtype, offset, shape), published
 
     def check(self, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
         """StaleEmbeddingError unless the entry still holds (key, generation)."""
@@ -407,8 +503,10 @@ class RingReader:
 
     def _locate(
         self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, dtype: torch.dtype,
-        shape: tuple[int, ...],
-    ) -> tuple[_Attached, int]:  # fmt: skip
+        shape: tuple[int, ...], *, pending_ok: bool = False,
+    ) -> tuple[_Attached, bool]:  # fmt: skip
+        """The segment of a valid reference, and whether the entry is published (with `pending_ok`
+        False an unpublished one raises EntryPending)."""
         _check_key(key, ProtocolError)
         n = dtype.itemsize
         for d in shape:
@@ -423,10 +521,60 @@ class RingReader:
         if offset % ALIGN or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > seg.size:
             raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
         hdr = offset - HEADER_BYTES
-        if not _header_ok(seg.mm, hdr, key, generation, nbytes):
-            self._stale(segment, seg)
-            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
-        return seg, hdr
+        if _header_ok(seg.mm, hdr, key, generation, nbytes):
+            return seg, True
+        if _HDR.unpack_from(seg.mm, hdr) == (_PENDING, key, generation, nbytes):
+            if pending_ok:
+                return seg, False
+            raise EntryPending(f"entry {key.hex()}@{generation} in {segment} is still being written")
+        self._stale(segment, seg)
+        raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+
+    def spin(self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, seconds: float) -> bool:
+        """Busy-wait up to `seconds` for an announced entry's bytes (see `RingWriter.reserve`): True
+        once its header is the real one, False if it is still being written, StaleEmbeddingError if
+        it is neither (replaced, or never announced). Only for a moment: it holds the caller's thread."""
+        seg = self._attach(segment)
+        hdr = offset - HEADER_BYTES
+        if type(offset) is not int or offset % ALIGN or hdr < 0 or offset + nbytes > seg.size:
+            raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
+        mm, unpack = seg.mm, _HDR.unpack_from
+        final, pending = (_MAGIC, key, generation, nbytes), (_PENDING, key, generation, nbytes)
+        end = time.perf_counter() + seconds
+        while True:
+            h = unpack(mm, hdr)
+            if h == final:
+                return True
+            if h != pending:
+                self._stale(segment, seg)
+                raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+            if time.perf_counter() >= end:
+                return False
+
+    async def wait_published(
+        self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, *,
+        timeout_s: float = PUBLISH_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        """Wait (without holding the event loop for more than a moment) until an announced entry's
+        bytes are in. StaleEmbeddingError if it is replaced, or not published within `timeout_s`:
+        its encoder died or stalled mid-copy, and the broker has the image encoded again."""
+        if self.spin(segment, offset, nbytes, key, generation, spin_budget(nbytes)):
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        delay = POLL_S
+        while loop.time() < end:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+            if self.spin(segment, offset, nbytes, key, generation, 0.0):
+                return
+            seg = self._segments.get(segment)
+            if seg is not None and not _writer_alive(seg.fd):
+                self.forget(segment)
+                raise StaleEmbeddingError(f"the encoder of ring segment {segment} died while it wrote an entry")
+        raise StaleEmbeddingError(
+            f"entry {key.hex()}@{generation} in {segment} was announced but not written within {timeout_s:g} s"
+        )
 
     def _stale(self, segment: str, seg: _Attached) -> None:
         # A missing entry may mean its encoder is gone: look at the link now, not in a second.
@@ -499,6 +647,24 @@ class RingReader:
                 _, old = self._segments.popitem(last=False)
                 old.release()
         return seg
+
+
+def _writer_alive(fd: int) -> bool:
+    """Whether the segment's writer still holds the lock it takes for life (see RingWriter)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell: the timeout decides
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def spin_budget(nbytes: int) -> float:
+    """How long a reader busy-waits for an announced entry of `nbytes` before it polls: about as
+    long as the encoder's copy takes (gigabytes a second), bounded."""
+    return min(MAX_SPIN_S, max(MIN_SPIN_S, nbytes / SPIN_BYTES_PER_S))
 
 
 def cleanup_stale_segments(uid: int | None = None) -> list[str]:

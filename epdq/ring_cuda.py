@@ -117,6 +117,13 @@ class CudaRingWriter(RingWriter):
     it inherits); `write` returns once the entry is complete on the device."""
 
     kind = KIND
+    announces_early = False  # its copy runs on a CUDA stream: `write` returns once it is done, then the entry is announced
+
+    def reserve(self, key: bytes, nbytes: int) -> EntryLoc | None:
+        raise NotImplementedError("a CUDA ring writes, then announces (write)")
+
+    def fill(self, key: bytes, generation: int, tensor: torch.Tensor) -> bool:
+        raise NotImplementedError("a CUDA ring writes, then announces (write)")
 
     def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", owner_tag: str = "enc"):
         # RingWriter.__init__ is not called: there is no shared-memory segment. The attributes its

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 HEADER_BYTES = 64
 ALIGN = 64
@@ -21,37 +21,35 @@ def entry_span(nbytes: int) -> int:
 _LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
 
 
-@dataclass(slots=True, frozen=True)
-class EntryLoc:
-    """Where an entry's data lives in its segment (the header sits just before `offset`)."""
+class EntryLoc(NamedTuple):
+    """Where an entry's data lives in its segment (the header sits just before `offset`). Made
+    only from a placed entry, so it needs no checks of its own; a tuple because a reservation
+    runs with cold caches, where a dataclass's constructor costs ~10 us."""
 
     offset: int
     nbytes: int
     generation: int
 
-    def __post_init__(self) -> None:
-        if self.offset < HEADER_BYTES or self.offset % ALIGN:
-            raise ValueError(f"bad entry offset {self.offset}")
-        if self.nbytes < 0 or not 0 < self.generation < 2**64:
-            raise ValueError(f"bad entry nbytes/generation {self.nbytes}/{self.generation}")
 
-
-@dataclass(slots=True)
 class _Entry:
-    key: bytes
-    generation: int
-    start: int  # header offset
-    span: int  # header + padded data
-    nbytes: int
-    pinned: bool = True
-    stamp: int = 0  # LRU clock at the last unpin
-    end: int = field(init=False)  # a field, not a property: placement reads it in its inner loops
+    __slots__ = ("key", "generation", "start", "span", "nbytes", "pinned", "stamp", "published", "end")
 
-    def __post_init__(self) -> None:
-        self.end = self.start + self.span
+    def __init__(self, key: bytes, generation: int, start: int, span: int, nbytes: int, published: bool = True):
+        self.key = key
+        self.generation = generation
+        self.start = start  # header offset
+        self.span = span  # header + padded data
+        self.nbytes = nbytes
+        self.pinned = True
+        self.stamp = 0  # LRU clock at the last unpin
+        self.published = published  # False between RingWriter.reserve and fill: its bytes are not in yet
+        self.end = start + span  # a field, not a property: placement reads it in its inner loops
 
     def loc(self) -> EntryLoc:
         return EntryLoc(self.start + HEADER_BYTES, self.nbytes, self.generation)
+
+    def __repr__(self) -> str:
+        return f"_Entry({self.key.hex()}@{self.generation}, [{self.start}, {self.end}), pinned={self.pinned})"
 
 
 class RingSpace:
@@ -113,46 +111,48 @@ class RingSpace:
 
     def find_window(self, span: int) -> int | None:
         """Start of the window for a new entry of `span` bytes; None if every window is pinned."""
-        # Runs on every encode (the encoder's hot path, often with cold caches): plain loops over
-        # plain fields, no generators or property calls.
-        s = self._cursor if self._cursor + span <= self.capacity else 0
+        # Runs on every encode (the encoder's hot path, with cold caches): one function, plain
+        # loops over plain fields, no generators or calls but bisect's.
+        cap = self.capacity
+        s = self._cursor if self._cursor + span <= cap else 0
         starts, order, n = self.starts, self.order, len(self.order)
         # entries are disjoint and sorted, so the last one starting before the window's end is
         # the one that reaches furthest: the window is free if that one ends by `s`
         i = bisect_left(starts, s + span)
         if not i or order[i - 1].end <= s:
             return s
-        best, best_cost = None, None
-        for e in itertools.islice(self.lru.values(), _LRU_TRIES):  # O(log n) each
+        best, best_top, best_count = None, 0, 0
+        tries = 0
+        for e in self.lru.values():  # the least recently unpinned first; O(log n) each
+            if tries == _LRU_TRIES:
+                break
+            tries += 1
             idx = bisect_left(starts, e.start)
             before = order[idx - 1].end if idx else 0
-            after = order[idx + 1].start if idx + 1 < n else self.capacity
-            for s in (before, after - span):
-                cost = self._window_cost(s, span)
-                if cost is not None and (best_cost is None or cost < best_cost):
-                    best, best_cost = s, cost
+            after = order[idx + 1].start if idx + 1 < n else cap
+            for w in (before, after - span):
+                # the window's cost: (newest victim's stamp, victims); out of bounds or pinned: none
+                end = w + span
+                if w < 0 or end > cap:
+                    continue
+                j = bisect_left(starts, w)
+                if j and order[j - 1].end > w:
+                    j -= 1
+                top = count = 0
+                while j < n:
+                    v = order[j]
+                    if v.start >= end:
+                        break
+                    if v.pinned:
+                        count = -1
+                        break
+                    if v.stamp > top:
+                        top = v.stamp
+                    count += 1
+                    j += 1
+                if count >= 0 and (best is None or top < best_top or (top == best_top and count < best_count)):
+                    best, best_top, best_count = w, top, count
         return best if best is not None else self._scan(span)
-
-    def _window_cost(self, s: int, span: int) -> tuple[int, int] | None:
-        """(newest victim's stamp, victims) of the window at `s`; None if out of bounds or pinned."""
-        end = s + span
-        if s < 0 or end > self.capacity:
-            return None
-        order = self.order
-        first = bisect_left(self.starts, s)  # _first_reaching, inlined: this runs ~8 times a write
-        if first and order[first - 1].end > s:
-            first -= 1
-        top = count = 0
-        for j in range(first, len(order)):
-            v = order[j]
-            if v.start >= end:
-                break
-            if v.pinned:
-                return None
-            if v.stamp > top:
-                top = v.stamp
-            count += 1
-        return (top, count)
 
     def _scan(self, span: int) -> int | None:
         # Sliding window over candidate starts (0, each unpinned start, each entry end), all

@@ -179,16 +179,22 @@ class _Writer:
             self._check(status, method)
             return {"total": done - t0, "save": t1 - t0, "wake": woke - t1, "load": mid - woke, "copy": done - mid,
                     "faults_w": faults, "faults_r": faults_r}  # fmt: skip
-        # ring, fetch_tcp, fetch_curve: the encoder's write into its ring starts them all
+        # ring, fetch_tcp, fetch_curve: as the encoder does (EncoderWorker._announcing), the entry
+        # is placed and announced (the note stands for its completion event), then its bytes are
+        # copied in while the note travels; the reader waits for them if it gets there first
         t0 = now()
-        loc = self.ring.write(key, src)
-        t1 = now()
+        loc = self.ring.reserve(key, nbytes)
         if loc is None:
             raise RuntimeError("ring full of pinned entries")
+        t1 = now()
         _write_frame(
             self.note_fd,
             _NOTE.pack(_CODE[method], size, i, loc.offset, loc.nbytes, loc.generation, key, stamp),
         )
+        t2 = now()
+        if not self.ring.fill(key, loc.generation, src):
+            raise RuntimeError("the reserved ring entry went away")
+        t3 = now()
         status, woke, mid, done, faults_r = await self.ack()
         faults = _faults() - f0  # also those of serving the fetch
         self.ring.unpin(key, loc.generation)  # as the broker does once the PD worker is done
@@ -196,8 +202,10 @@ class _Writer:
         self._check(status, method)
         res = {
             "total": done - t0,
-            "write": t1 - t0,
-            "wake": woke - t1,
+            "reserve": t1 - t0,
+            "announce": t2 - t1,
+            "fill": t3 - t2,
+            "wake": woke - t2,
             "faults_w": faults,
             "faults_r": faults_r,
         }
@@ -249,11 +257,15 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
             try:
                 if method == "ring_view":
                     # what the PD worker does with one image: a view the engine copies from, and
-                    # the header check once it has (the engine's copy is its own, in every method)
-                    out = reader.view(segment, offset, nbytes, key, generation, dtype, shape)
+                    # the check once it has (the engine's copy is its own, in every method). The view
+                    # is made first, then the bytes waited for, as PDWorker._gather does.
+                    out, published = reader.view_early(segment, offset, nbytes, key, generation, dtype, shape)
+                    if not published:
+                        _published(reader, loop, segment, offset, nbytes, key, generation)
                     reader.check(segment, offset, nbytes, key, generation)
                     mid = done = now()
                 elif method == "ring":
+                    _published(reader, loop, segment, offset, nbytes, key, generation)  # see PDWorker._read_local
                     out = reader.read(
                         segment, offset, nbytes, key, generation, dtype, shape, out=pool.slot(size, slot)
                     )
@@ -300,3 +312,14 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
         reader.close()
         loop.close()
         ctx.destroy(linger=0)
+
+
+def _published(reader: Any, loop: Any, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
+    """Wait for an entry's bytes if the encoder is still copying them in, as the PD worker does
+    (RingReader.wait_published: a busy-wait first, the event loop's polling after); the busy-wait
+    is run here directly, so the common case costs no trip through the event loop."""
+    from epdq.ring import spin_budget
+
+    if not reader.spin(segment, offset, nbytes, key, generation, spin_budget(nbytes)):
+        loop.run_until_complete(reader.wait_published(segment, offset, nbytes, key, generation))
+

@@ -85,6 +85,9 @@ class EncoderWorker:
         self._encoding = False
         # bumped before each re-registration: jobs of an older one are never answered
         self._epoch = 0
+        # (key, generation, tensor) of the entries announced in this batch, copied in once their
+        # completion events have left (see _announcing); None outside a batch
+        self._fills: list[tuple[bytes, int, Any]] | None = None
 
     def idle(self) -> bool:
         """No job in hand and no entry pinned for a request (a draining encoder may leave: PD
@@ -213,9 +216,10 @@ class EncoderWorker:
         if log.isEnabledFor(logging.DEBUG):  # the broker logs which requests these jobs serve
             log.debug("encoded jobs %s in %.3f s", [j.job_id for j in good], per_image * len(good),
                       extra={"event": "encoded", "job_ids": str([j.job_id for j in good])})  # fmt: skip
-        for job, out in zip(good, outs, strict=True):
-            if not self._store(job, out, per_image):
-                self._block(job, out, per_image)
+        with self._announcing():
+            for job, out in zip(good, outs, strict=True):
+                if not self._store(job, out, per_image):
+                    self._block(job, out, per_image)
         self._report_evictions()
 
     async def _encode_one(self, job: _Job, image: Any) -> None:
@@ -225,8 +229,9 @@ class EncoderWorker:
         except Exception as e:
             self._fail(job, _as_epdq_error(e))
             return
-        if not self._store(job, out, time.perf_counter() - t0):
-            self._block(job, out, time.perf_counter() - t0)
+        with self._announcing():
+            if not self._store(job, out, time.perf_counter() - t0):
+                self._block(job, out, time.perf_counter() - t0)
 
     async def _call_engine(self, images: list) -> list[EncodedImage]:
         if getattr(self.engine, "inline", False):  # cheap engines: a thread hop would cost more
@@ -237,8 +242,9 @@ class EncoderWorker:
     def _store(self, job: _Job, out: EncodedImage, encode_s: float) -> bool:
         if job.epoch != self._epoch:
             return True  # a job of the previous registration (abandoned while it was encoded)
+        early = self._fills is not None
         try:
-            loc = self.ring.write(job.key, out.embeds)
+            loc = self.ring.reserve(job.key, out.embeds.nbytes) if early else self.ring.write(job.key, out.embeds)
         except RingFullError as e:
             self._fail(job, e)
             return True
@@ -252,7 +258,31 @@ class EncoderWorker:
         )  # fmt: skip
         self.encoded += 1
         self.link.send(P.Encoded(job.job_id, ref, encode_s))
+        if early:
+            self._fills.append((job.key, loc.generation, t))
         return True
+
+    @contextlib.contextmanager
+    def _announcing(self):
+        """Store results in the ring announcing each entry before its bytes are in: the
+        completion events leave first and travel to the broker and on to a PD worker while the
+        bytes are copied (a PD worker that gets there first waits for them: RingReader.
+        wait_published). Rings that cannot announce early (a CUDA ring) write, then announce."""
+        if not getattr(self.ring, "announces_early", False) or self._fills is not None:
+            yield
+            return
+        self._fills = []
+        try:
+            yield
+        finally:
+            fills, self._fills = self._fills, None
+            if fills:
+                self.link.flush()
+                for key, generation, tensor in fills:
+                    try:
+                        self.ring.fill(key, generation, tensor)  # False: cleared meanwhile (re-registration)
+                    except Exception:  # the entry is dropped and reported evicted: it is encoded again
+                        log.exception("could not copy an embedding into the ring")
 
     def _block(self, job: _Job, out: EncodedImage, encode_s: float) -> None:
         """No room for `out` now: keep it, and tell the broker, which may release pins that can
@@ -262,6 +292,12 @@ class EncoderWorker:
         self.link.send(P.RingBlocked(job.job_id, out.embeds.numel() * out.embeds.element_size()))
 
     def _retry_blocked(self) -> None:
+        if self._blocked:
+            with self._announcing():
+                self._retry_blocked_now()
+        self._report_evictions()
+
+    def _retry_blocked_now(self) -> None:
         now = time.monotonic()
         for _ in range(len(self._blocked)):
             job, out, encode_s, told = self._blocked.popleft()
@@ -272,7 +308,6 @@ class EncoderWorker:
                 self.link.send(P.RingBlocked(job.job_id, out.embeds.numel() * out.embeds.element_size()))
                 told = now
             self._blocked.append((job, out, encode_s, told))  # it keeps its turn
-        self._report_evictions()
 
     def _report_evictions(self) -> None:
         ev = self.ring.drain_evicted()

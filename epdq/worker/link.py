@@ -245,6 +245,11 @@ class BrokerLink:
             return  # ZeroMQ gave this connection up: nothing would leave (the next reconnect retries)
         self._channel.send(P.encode(msg) + list(payload), copy=copy)
 
+    def flush(self) -> None:
+        """Send what is queued now instead of at the end of this loop turn."""
+        if self._channel is not None and not self._channel.closed:
+            self._channel.flush()
+
     def close(self, reason: str = "shutdown") -> None:
         if self.closed:
             return

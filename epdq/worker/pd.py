@@ -29,6 +29,7 @@ from epdq.engines.base import PDEngine, SamplingSpec
 from epdq.errors import (
     ConfigError,
     EngineError,
+    EntryPending,
     EpdqError,
     FetchFailedError,
     InvalidInputError,
@@ -368,7 +369,11 @@ class PDWorker:
         r = refs[0]
         if len(refs) == 1 and self._local_shm(r):
             self.local_reads += 1
-            view = self.reader.view(r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape))
+            view, published = self.reader.view_early(
+                r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape)
+            )
+            if not published:  # announced while its encoder was still copying it in
+                await self.reader.wait_published(r.segment, r.offset, r.nbytes, r.key, r.generation)
             return view, grid, r
         embeds = torch.empty((sum(r.shape[0] for r in refs), hidden), dtype=dtype)
         first: dict[tuple[bytes, int], torch.Tensor] = {}
@@ -381,9 +386,7 @@ class PDWorker:
                 out.copy_(first[ident])
                 continue
             if self._local_shm(r):
-                self.reader.read(
-                    r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape), out=out
-                )
+                await self._read_local(r, dtype, out)
                 self.local_reads += 1
             else:
                 data = await self.fetcher.fetch(r)
@@ -391,6 +394,15 @@ class PDWorker:
                 self.remote_reads += 1
             first[ident] = out
         return embeds, grid, None
+
+    async def _read_local(self, r: P.EmbedRef, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One copy of a ring entry on this node, once its bytes are in."""
+        args = (r.segment, r.offset, r.nbytes, r.key, r.generation)
+        try:
+            return self.reader.read(*args, dtype, tuple(r.shape), out=out)
+        except EntryPending:  # announced while its encoder was still copying it in
+            await self.reader.wait_published(*args)
+            return self.reader.read(*args, dtype, tuple(r.shape), out=out)
 
     def _local_shm(self, r: P.EmbedRef) -> bool:
         """A shared-memory ring entry on this node (a CUDA ring entry never is: its name is no segment)."""
@@ -423,9 +435,7 @@ class PDWorker:
             if ident in host or self._local_cuda(r):
                 continue
             if self._local_shm(r):
-                host[ident] = self.reader.read(
-                    r.segment, r.offset, r.nbytes, r.key, r.generation, dtype, tuple(r.shape)
-                )
+                host[ident] = await self._read_local(r, dtype)
                 self.local_reads += 1
             else:
                 data = await self.fetcher.fetch(r)

@@ -159,6 +159,65 @@ def test_reader_racing_an_overwriter_never_sees_torn_data():
         w.close()
 
 
+# For each entry announced on stdin before its bytes are in: wait for them the way a PD worker
+# does (busy-wait on the header), read, check every element, answer one line.
+_EARLY = r"""
+import json, sys, torch
+from epdq.errors import StaleEmbeddingError
+from epdq.ring import RingReader
+torch.set_num_threads(1)
+r = RingReader()
+print("ready", flush=True)
+for line in sys.stdin:
+    m = json.loads(line)
+    args = (m["seg"], m["off"], m["nbytes"], bytes.fromhex(m["key"]), m["gen"])
+    try:
+        if not r.spin(*args, 5.0):
+            out = "late"
+        else:
+            t = r.read(*args, torch.float32, (m["nbytes"] // 4,))
+            out = "ok" if bool((t == m["fill"]).all()) else "torn"
+    except StaleEmbeddingError as e:
+        out = f"stale: {e}"
+    print(out, flush=True)
+"""
+
+
+def test_a_reader_waiting_on_an_announced_entry_gets_it_whole():
+    """The encoder announces an entry, then copies it in: a reader in another process that spins on
+    the header meanwhile must see "being written" until the bytes are all there, and never
+    anything else (struct's pack_into clears a header before it writes its fields: publishing
+    that way showed readers a header of zeros, taken as a replaced entry)."""
+    w = RingWriter(32 * MIN_CAPACITY, owner_tag="early")
+    p = child(_EARLY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        gen = torch.Generator().manual_seed(1)
+        answers = []
+        for i in range(300):
+            words = int(torch.randint(16 * 1024, 256 * 1024, (1,), generator=gen))
+            k = secrets.token_bytes(16)
+            t = torch.full((words,), float(i))
+            loc = w.reserve(k, t.nbytes)
+            assert loc is not None
+            p.stdin.write(describe(w, k, loc, t, fill=float(i)) + "\n")
+            p.stdin.flush()
+            if i % 2:
+                time.sleep(0.0002)  # also let the reader be spinning when the copy starts
+            assert w.fill(k, loc.generation, t)
+            answers.append(p.stdout.readline().strip())
+            w.unpin(k, loc.generation)
+        assert answers == ["ok"] * 300, [a for a in answers if a != "ok"][:5]
+    finally:
+        torch.set_num_threads(threads)
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=60)  # closes the pipes
+        w.close()
+
+
 _CRASH = r"""
 import os, torch
 from epdq.ring import RingWriter

@@ -7,6 +7,7 @@ import contextlib
 import time
 
 import pytest
+import torch
 import zmq
 
 from epdq import protocol as P
@@ -274,7 +275,8 @@ async def test_an_encoder_never_answers_a_job_of_the_previous_registration(tmp_p
     worker = EncoderWorker(NoopVisionEngine(cost_s=0.3), ring, worker_id="enc-test", node="n",
                            max_image_bytes=1 << 20, max_image_pixels=1 << 20)  # fmt: skip
     sent: list = []
-    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m)})()
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m),
+                                    "flush": lambda self: None})()  # fmt: skip
     loop = asyncio.create_task(worker.run())
     image = demo_image(7, (64, 64))
     try:
@@ -322,3 +324,74 @@ async def test_a_late_answer_to_an_earlier_register_is_ignored_with_its_work(bro
         assert handled == ["new"] and link.registered.is_set() and abandoned == [[]]
     finally:
         link.close()
+
+
+async def test_an_encoder_announces_each_entry_before_it_copies_the_bytes_in():
+    """The completion events leave (flush) while the entries still say "being written"; the bytes
+    and the real header follow, so a PD worker that gets there first waits for them."""
+    from epdq.demo import demo_image
+    from epdq.engines.noop import NoopVisionEngine
+    from epdq.media import decode_image
+    from epdq.ring import _HDR, _MAGIC, _PENDING, RingReader, RingWriter
+    from epdq.worker.encoder import EncoderWorker
+
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker = EncoderWorker(NoopVisionEngine(), ring, worker_id="enc-test", node="n",
+                           max_image_bytes=1 << 20, max_image_pixels=1 << 20)  # fmt: skip
+    sent: list = []
+    at_flush: list = []
+
+    def flush(_self) -> None:
+        at_flush.extend(_HDR.unpack_from(ring._mm, m.ref.offset - 64)[0] for m in sent)
+
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m), "flush": flush})()
+    loop = asyncio.create_task(worker.run())
+    reader = RingReader()
+    try:
+        for i in range(3):
+            worker.handle(P.Encode(i + 1, bytes([i]) * 16), [demo_image(i, (64, 64))])
+        await _until(lambda: len(sent) == 3)
+        assert [type(m) for m in sent] == [P.Encoded] * 3
+        assert at_flush == [_PENDING] * 3  # one flush, with all three still being written
+        engine = NoopVisionEngine()
+        for i, m in enumerate(sent):
+            r = m.ref
+            assert _HDR.unpack_from(ring._mm, r.offset - 64)[0] == _MAGIC
+            got = reader.read(r.segment, r.offset, r.nbytes, r.key, r.generation, torch.float32, tuple(r.shape))
+            want = engine.encode([decode_image(demo_image(i, (64, 64)), max_bytes=1 << 20, max_pixels=1 << 20)])[0]
+            assert torch.equal(got, want.embeds)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        reader.close()
+        ring.close(unlink=True)
+
+
+@pytest.mark.parametrize("images", [1, 2])
+async def test_a_pd_worker_waits_for_an_entry_its_encoder_is_still_copying(images):
+    from epdq.engines.noop import NoopPDEngine
+    from epdq.ring import RingWriter
+
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker, sent = _pd_worker(NoopPDEngine(hidden_size=128))
+    try:
+        embeds = [torch.randn(4, 128) for _ in range(images)]
+        refs, fills = [], []
+        for i, t in enumerate(embeds):
+            k = bytes([i + 1]) * 16
+            loc = ring.reserve(k, t.nbytes)
+            refs.append(P.EmbedRef(k, "enc", "n", ring.name, loc.offset, loc.nbytes, loc.generation, "float32",
+                                   [4, 128], [1, 4, 4], ""))  # fmt: skip
+            fills.append((k, loc.generation, t))
+        task = asyncio.create_task(worker._gather(refs))
+        await asyncio.sleep(0.03)  # past the busy-wait: polling from the event loop now
+        assert not task.done()
+        for k, gen, t in fills:
+            ring.fill(k, gen, t)
+        got, grid, viewed = await asyncio.wait_for(task, 5)
+        assert torch.equal(got, torch.cat(embeds)) and grid.tolist() == [[1, 4, 4]] * images
+        assert (viewed is not None) == (images == 1)  # one image: a view, checked after the engine's copy
+    finally:
+        worker.close()
+        ring.close(unlink=True)

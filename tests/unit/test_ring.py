@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import math
@@ -18,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from epdq import ring as ring_mod
 from epdq import ring_space
-from epdq.errors import ConfigError, ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingReader, RingWriter
 
 MIB = 1 << 20
@@ -437,6 +438,108 @@ def test_views_are_exact_windows_of_the_entry(writer, reader):
         assert torch.equal(v, t)
         out = reader.read(writer.name, loc.offset, loc.nbytes, k, loc.generation, dtype, shape)
         assert torch.equal(out, t)
+
+
+# -- announce first, copy after (reserve + fill) ---------------------------------------------------
+
+
+def test_a_reserved_entry_is_pending_until_filled(writer, reader):
+    t = torch.randn(40, 64)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation)
+    assert loc.nbytes == t.nbytes and writer.pinned_bytes == span_of(t.nbytes)
+    with pytest.raises(EntryPending):
+        reader.view(*args, torch.float32, (40, 64))
+    with pytest.raises(EntryPending):
+        reader.read(*args, torch.float32, (40, 64))
+    with pytest.raises(EntryPending):  # nor does a remote fetch get the half-written bytes
+        writer.read_bytes(loc.offset, loc.nbytes, k, loc.generation)
+    view, published = reader.view_early(*args, torch.float32, (40, 64))
+    assert not published and not reader.spin(*args, 0.0)
+    assert writer.fill(k, loc.generation, t)
+    assert reader.spin(*args, 0.0)
+    assert torch.equal(view, t) and torch.equal(read(reader, writer, k, loc, t), t)
+    reader.check(*args)
+    assert writer.fill(k, loc.generation, torch.zeros(40, 64))  # published already: nothing is copied again
+    assert torch.equal(read(reader, writer, k, loc, t), t)
+
+
+def test_reserving_a_resident_key_returns_its_entry(writer, reader):
+    t = f32(4096, 3.0)
+    k = key()
+    loc = writer.write(k, t)
+    writer.unpin(k, loc.generation)
+    assert writer.reserve(k, t.nbytes) == loc and writer.pinned_bytes == span_of(4096)
+    assert writer.fill(k, loc.generation, f32(4096, 9.0))
+    assert torch.equal(read(reader, writer, k, loc, t), t)
+
+
+def test_fill_of_an_entry_that_is_gone_writes_nothing(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    assert writer.clear() == 1  # a re-registration dropped it; its window may be someone else's now
+    assert not writer.fill(k, loc.generation, f32(4096, 1.0))
+    assert not any(writer._mm[loc.offset : loc.offset + 4096])  # not a byte written
+    with pytest.raises(StaleEmbeddingError) as e:
+        reader.view(writer.name, loc.offset, 4096, k, loc.generation, torch.float32, (1024,))
+    assert not isinstance(e.value, EntryPending)
+
+
+def test_a_fill_of_the_wrong_size_drops_the_entry_and_reports_it(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    with pytest.raises(ValueError, match="reserved for 4096"):
+        writer.fill(k, loc.generation, f32(8192))
+    assert writer.lookup(k) is None and writer.pinned_bytes == 0
+    assert writer.drain_evicted() == [(k, loc.generation)]  # announced: the broker must hear it is gone
+    with pytest.raises(StaleEmbeddingError) as e:
+        reader.view(writer.name, loc.offset, 4096, k, loc.generation, torch.float32, (1024,))
+    assert not isinstance(e.value, EntryPending)
+
+
+async def test_a_reader_waits_for_bytes_still_being_copied_in(writer, reader):
+    t = torch.randn(2048)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, writer.fill, k, loc.generation, t)  # after the reader's busy-wait has ended
+    t0 = loop.time()
+    await asyncio.wait_for(reader.wait_published(*args), 5)
+    assert loop.time() - t0 >= 0.015
+    assert torch.equal(read(reader, writer, k, loc, t), t)
+
+
+async def test_waiting_for_an_entry_that_never_comes_ends_stale(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation)
+    with pytest.raises(StaleEmbeddingError, match="not written within"):
+        await asyncio.wait_for(reader.wait_published(*args, timeout_s=0.05), 5)
+    writer._space.set_pinned(writer._space.by_key[k], False)
+    assert writer.evict_unpinned() == 1  # now replaced: stale at once, not after a timeout
+    writer.write(key(), f32(4096))
+    with pytest.raises(StaleEmbeddingError, match="is gone"):
+        await asyncio.wait_for(reader.wait_published(*args, timeout_s=30), 5)
+
+
+async def test_waiting_ends_at_once_when_the_writer_died_mid_copy(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation)
+    assert not reader.spin(*args, 0.0)
+    fcntl.flock(writer._fd, fcntl.LOCK_UN)  # what the kernel does when the encoder dies
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(StaleEmbeddingError, match="died"):
+        await asyncio.wait_for(reader.wait_published(*args, timeout_s=30), 5)
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+
+
+def test_the_cuda_ring_does_not_announce_early():
+    from epdq.ring_cuda import CudaRingWriter
+
+    assert RingWriter.announces_early and not CudaRingWriter.announces_early
 
 
 # -- hostile messages -----------------------------------------------------------------------------
