@@ -8,7 +8,7 @@ into messages, and the cost-model simulation (`epdq.benchmarks.costmodel`) acts 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Any
 
 from epdq.errors import EpdqError
@@ -21,7 +21,7 @@ class Role(StrEnum):
     BOTH = "both"
 
 
-class ReqState(Enum):
+class ReqState(StrEnum):  # a StrEnum hashes in C: the scheduler keys counts by state at every change
     WAITING = "waiting"  # blocked on pending encodes
     READY = "ready"  # in the prefill queue
     RUNNING = "running"  # held by a PD (or both) worker

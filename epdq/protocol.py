@@ -21,7 +21,8 @@ from epdq.errors import ProtocolError
 
 # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN;
 # 5: PING carries the client's requests in flight, PONG those the broker does not hold; RING_BLOCKED; BYE refused
-PROTOCOL_VERSION = 5
+# 6: BATCH packs its small frames into one (Batch.sizes)
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
@@ -340,37 +341,87 @@ class Fetched(_S):
 
 class Batch(_S):
     counts: list[int]  # frames of each message, in order; the messages' frames follow
+    # Since protocol 6: the byte length of every frame, in order. Frames of at most
+    # INLINE_FRAME_BYTES travel back to back in the one ZeroMQ frame after this header, the others
+    # (-1 here) as ZeroMQ frames of their own after it (zero-copy). Empty: every frame is its own.
+    sizes: list[int] = []
 
 
 MAX_BATCH = 4096
+# Each ZeroMQ frame costs a send, a receive and a "more?" query (which pyzmq answers through a
+# Python enum) on top of the work of its message: a batch of small messages packed into one frame
+# costs about what a single message does.
+INLINE_FRAME_BYTES = 4096
 BATCH_TYPE = bytes([MsgType.BATCH])
 _BATCH_DECODER = msgspec.msgpack.Decoder(Batch)
 
 
 def pack_batch(bodies: list[list[Any]]) -> list[Any]:
-    """One message carrying several (`[type, header, *payload]` each) to the same peer."""
-    frames: list[Any] = [BATCH_TYPE, _ENCODER.encode(Batch([len(b) for b in bodies]))]
+    """One message carrying several (`[type, header, *payload]` each) to the same peer: the
+    BATCH type, its header, the small frames packed into one, then the large frames."""
+    counts: list[int] = []
+    sizes: list[int] = []
+    small: list[Any] = []
+    large: list[Any] = []
     for b in bodies:
-        frames.extend(b)
-    return frames
+        counts.append(len(b))
+        for f in b:
+            n = len(f) if type(f) is bytes else memoryview(f).nbytes
+            if n <= INLINE_FRAME_BYTES:
+                sizes.append(n)
+                small.append(f)
+            else:
+                sizes.append(-1)
+                large.append(f)
+    return [BATCH_TYPE, _ENCODER.encode(Batch(counts, sizes)), b"".join(small), *large]
 
 
 def split_batch(frames: list[Any]) -> list[list[Any]]:
-    """The messages inside a BATCH message (its type frame already checked); ProtocolError if bad."""
+    """The messages inside a BATCH message (its type frame already checked); ProtocolError if bad.
+    Type and header frames of packed messages are views of the packed frame (decoded at once);
+    payloads are copied out, so that a request that keeps its image keeps only that image."""
     if len(frames) < 2:
         raise ProtocolError("batch without a header")
     try:
-        counts = _BATCH_DECODER.decode(frames[1]).counts
+        batch = _BATCH_DECODER.decode(frames[1])
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ProtocolError(f"bad BATCH header: {e}") from None
+    counts, sizes = batch.counts, batch.sizes
     if not 0 < len(counts) <= MAX_BATCH or any(not 2 <= c <= MAX_PAYLOAD_FRAMES + 2 for c in counts):
         raise ProtocolError("bad BATCH frame counts")
-    if sum(counts) != len(frames) - 2:
-        raise ProtocolError("BATCH frame counts do not add up")
-    out, i = [], 2
+    if not sizes:  # every frame its own (protocol 5)
+        if sum(counts) != len(frames) - 2:
+            raise ProtocolError("BATCH frame counts do not add up")
+        out, i = [], 2
+        for c in counts:
+            out.append(frames[i : i + c])
+            i += c
+        return out
+    if len(frames) < 3 or len(sizes) != sum(counts):
+        raise ProtocolError("BATCH frame sizes do not match its counts")
+    packed = memoryview(frames[2]).cast("B")
+    large = frames[3:]
+    if any(n < -1 or n > INLINE_FRAME_BYTES for n in sizes) or sizes.count(-1) != len(large):
+        raise ProtocolError("bad BATCH frame sizes")
+    if sum(n for n in sizes if n > 0) != packed.nbytes:
+        raise ProtocolError("BATCH frame sizes do not add up")
+    out = []
+    i = off = j = 0
     for c in counts:
-        out.append(frames[i : i + c])
-        i += c
+        msg: list[Any] = []
+        for k in range(c):
+            n = sizes[i]
+            i += 1
+            if n < 0:
+                msg.append(large[j])
+                j += 1
+            elif k < 2:
+                msg.append(packed[off : off + n])
+                off += n
+            else:
+                msg.append(bytes(packed[off : off + n]))
+                off += n
+        out.append(msg)
     return out
 
 

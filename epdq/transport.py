@@ -485,12 +485,14 @@ class Channel:
                 return
             head = [dest] if self._routed else []
             for chunk in _batches(msgs):
+                packed = 0
                 if len(chunk) == 1:
                     body, copy = chunk[0]
                 else:
-                    body, copy = pack_batch([m for m, _ in chunk]), all(c for _, c in chunk)
+                    # type, header and the packed small frames are new bytes: always copied
+                    body, copy, packed = pack_batch([m for m, _ in chunk]), all(c for _, c in chunk), len(head) + 3
                 try:
-                    self._send_now(head + body, copy, check=False)
+                    self._send_now(head + body, copy, check=False, copied=packed)
                 except PeerUnreachable:
                     if self._on_unreachable is not None:
                         self._on_unreachable(dest)
@@ -505,14 +507,15 @@ class Channel:
                     break
         self._schedule_check()  # a send may have consumed the socket's read edge
 
-    def _send_now(self, frames: list[Any], copy: bool, *, check: bool = True) -> None:
+    def _send_now(self, frames: list[Any], copy: bool, *, check: bool = True, copied: int = 0) -> None:
+        """Send one message; `copy` applies to its frames from index `copied` on (before it: copied)."""
         sock = self.sock
         last = len(frames) - 1
         try:
             # ROUTER_MANDATORY fails an unknown identity (or, with a send_hwm, a full peer) on the
             # first frame, before anything is queued; the later frames of a message always go
             for i, f in enumerate(frames):
-                _raw_send(sock, f, _MORE if i < last else _NOBLOCK, copy)
+                _raw_send(sock, f, _MORE if i < last else _NOBLOCK, copy or i < copied)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 raise PeerUnreachable(str(e)) from None

@@ -65,7 +65,29 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "argv": list(sys.argv),
+        "speed": machine_speed(),
     }
+
+
+def machine_speed() -> dict[str, float]:
+    """Two quick readings (~0.2 s) of how fast this machine runs right now, taken as a run's JSON
+    is written: a shared VM's speed varies, up to 3x between days here, so absolute figures of two
+    runs compare only together with these. `python_loop_ns`: one iteration of a pure-Python
+    add loop; `memcpy_gb_s`: copying 64 MiB once."""
+    n = 1_000_000
+    t = time.perf_counter()
+    s = 0
+    for i in range(n):
+        s += i
+    loop_ns = (time.perf_counter() - t) / n * 1e9
+    src, dst = bytearray(b"\1") * (64 << 20), bytearray(64 << 20)
+    dst[:] = src  # every page touched before the timed copies
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        dst[:] = src
+        best = min(best, time.perf_counter() - t)
+    return {"python_loop_ns": round(loop_ns, 2), "memcpy_gb_s": round(len(src) / best / 1e9, 2)}
 
 
 def _dist_version(name: str) -> str | None:

@@ -107,6 +107,40 @@ def test_batch_round_trip_and_malformed_batches():
             P.split_batch(bad)
 
 
+def test_a_batch_packs_small_frames_into_one_and_sends_large_ones_apart():
+    big = bytes(range(256)) * 64  # over INLINE_FRAME_BYTES: its own (zero-copy) frame
+    bodies = [P.encode(P.Cancel("a")), P.encode(_submit(2)) + [b"small image", big], P.encode(P.Ping(3))]
+    frames = P.pack_batch(bodies)
+    assert len(frames) == 4 and frames[3] is big  # type, header, the packed small frames, the large one
+    parts = P.split_batch(frames)
+    assert parts == bodies
+    # payloads are copies (a request keeps its image, not the whole packed frame); a large one is as sent
+    assert type(parts[1][2]) is bytes and parts[1][3] is big
+    assert [P.decode(p)[0] for p in parts] == [P.Cancel("a"), _submit(2), P.Ping(3)]
+    # the protocol-5 form (every frame its own) is still read
+    old = [P.BATCH_TYPE, msgspec.msgpack.encode([[len(b) for b in bodies]]), *[f for b in bodies for f in b]]
+    assert P.split_batch(old) == bodies
+
+
+@pytest.mark.parametrize("counts, sizes, packed, large", [
+    ([2], [1], b"a", []),  # fewer sizes than frames
+    ([2], [1, 1, 1], b"abc", []),  # more sizes than frames
+    ([2], [1, 2], b"ab", []),  # sizes add up to more than the packed frame
+    ([2], [1, 1], b"abc", []),  # ... or to less
+    ([2], [1, -1], b"a", []),  # a large frame that is not there
+    ([2], [1, 1], b"ab", [b"x"]),  # a large frame nobody named
+    ([2], [1, -2], b"a", [b"x"]),
+    ([2], [1, P.INLINE_FRAME_BYTES + 1], b"a" + bytes(P.INLINE_FRAME_BYTES + 1), []),  # packed, though large
+    ([1], [1], b"a", []),  # a message needs a type and a header
+])  # fmt: skip
+def test_malformed_packed_batches_are_refused(counts, sizes, packed, large):
+    with pytest.raises(ProtocolError):
+        P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([counts, sizes]), packed, *large])
+    # nothing but the header: refused too
+    with pytest.raises(ProtocolError):
+        P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([counts, sizes])])
+
+
 def test_ping_request_ids_are_bounded():
     ids = [f"c-{i}" for i in range(P.MAX_PING_IDS)]
     assert P.decode(P.encode(P.Ping(1, ids)))[0].request_ids == ids
