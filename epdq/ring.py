@@ -60,13 +60,14 @@ _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 # Its bytes stay valid either way; the look only lets go of a dead encoder's pages, and costs
 # ~15 us with cold caches, which is what a PD worker woken by a new request has.
 RELINK_CHECK_S = 1.0
-# A reader waiting for an announced entry (RingReader.wait_published) busy-waits for about as long
-# as the encoder's copy takes, bounded, then polls the header from the event loop until the timeout.
-MIN_SPIN_S = 50e-6
-MAX_SPIN_S = 1e-3
-SPIN_BYTES_PER_S = 2e9
-POLL_S = 1e-3
-MAX_POLL_S = 20e-3
+# A reader waiting for an announced entry (RingReader.wait_published): a short busy-wait, then it
+# looks again at every turn of its event loop (other tasks run in between) for about as long as the
+# encoder's copy can take at COPY_BYTES_PER_S (bounded), then every POLL_S until the timeout.
+SPIN_S = 50e-6
+COPY_BYTES_PER_S = 1e9
+MAX_EAGER_S = 0.25
+POLL_S = 1e-3  # uvloop's timers tick in milliseconds
+LIVENESS_POLLS = 10  # polls between two looks at whether the segment's writer is still alive
 PUBLISH_TIMEOUT_S = 2.0
 # real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
 _PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
@@ -558,18 +559,26 @@ class RingReader:
         """Wait (without holding the event loop for more than a moment) until an announced entry's
         bytes are in. StaleEmbeddingError if it is replaced, or not published within `timeout_s`:
         its encoder died or stalled mid-copy, and the broker has the image encoded again."""
-        if self.spin(segment, offset, nbytes, key, generation, spin_budget(nbytes)):
+        if self.spin(segment, offset, nbytes, key, generation, SPIN_S):
             return
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        delay = POLL_S
-        while loop.time() < end:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_POLL_S)
+        start = loop.time()
+        end = start + timeout_s
+        eager = start + min(timeout_s, spin_budget(nbytes))
+        while loop.time() < eager:
+            # a header read per turn of the loop: found within a turn of the copy's end, where a
+            # timer (milliseconds here) would find it up to a millisecond late
+            await asyncio.sleep(0)
             if self.spin(segment, offset, nbytes, key, generation, 0.0):
                 return
+        polls = 0
+        while loop.time() < end:
+            await asyncio.sleep(POLL_S)
+            if self.spin(segment, offset, nbytes, key, generation, 0.0):
+                return
+            polls += 1
             seg = self._segments.get(segment)
-            if seg is not None and not _writer_alive(seg.fd):
+            if polls % LIVENESS_POLLS == 0 and seg is not None and not _writer_alive(seg.fd):
                 self.forget(segment)
                 raise StaleEmbeddingError(f"the encoder of ring segment {segment} died while it wrote an entry")
         raise StaleEmbeddingError(
@@ -662,9 +671,9 @@ def _writer_alive(fd: int) -> bool:
 
 
 def spin_budget(nbytes: int) -> float:
-    """How long a reader busy-waits for an announced entry of `nbytes` before it polls: about as
-    long as the encoder's copy takes (gigabytes a second), bounded."""
-    return min(MAX_SPIN_S, max(MIN_SPIN_S, nbytes / SPIN_BYTES_PER_S))
+    """How long a reader looks for an announced entry of `nbytes` at every turn of its event loop
+    before it polls on a timer: about as long as the encoder's copy can take, bounded."""
+    return min(MAX_EAGER_S, max(SPIN_S, nbytes / COPY_BYTES_PER_S))
 
 
 def cleanup_stale_segments(uid: int | None = None) -> list[str]:

@@ -3,10 +3,16 @@
 Four ways to move the same bytes, measured side by side in one run:
 
 - **memcpy**: one `dst.copy_(src)` into a preallocated tensor in one process (the physical limit);
-- **ring**: `RingWriter.write` in an encoder-side process, a wake-up over a pipe, then
-  `RingReader.read(..., out=...)` in a PD-side process (the same-node path);
+- **ring** (view, and copy out): what the encoder and a PD worker on the same node do. The
+  encoder-side process places the entry (`RingWriter.reserve`), announces it over a pipe (the
+  note stands for the completion event) and copies the bytes in (`fill`) while the note travels;
+  the PD-side process makes its view (`RingReader.view_early`; or reads with `read(..., out=...)`),
+  waits for the bytes if it got there first (as `RingReader.wait_published`), and checks the
+  header. The two processes are pinned to different cores, as an encoder and a PD worker have
+  cores of their own: on a 2-core machine a process woken through a pipe is otherwise queued on
+  the waker's core (a "sync" wake-up) until the waker sleeps, and nothing overlaps;
 - **fetch tcp** (and **fetch tcp+CURVE** with `curve=True`): the cross-node path. The writer
-  writes the ring and serves `Fetch` with a real `EncoderWorker` fetch socket on
+  places, announces and fills the ring entry as above and serves `Fetch` with a real `EncoderWorker` fetch socket on
   tcp://127.0.0.1; the reader fetches with a real `RemoteFetcher` and copies the frame into its
   destination as `PDWorker._gather` does;
 - **safetensors**: the path of vLLM's example EC connector: `save_file` into

@@ -316,10 +316,10 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
 
 def _published(reader: Any, loop: Any, segment: str, offset: int, nbytes: int, key: bytes, generation: int) -> None:
     """Wait for an entry's bytes if the encoder is still copying them in, as the PD worker does
-    (RingReader.wait_published: a busy-wait first, the event loop's polling after); the busy-wait
-    is run here directly, so the common case costs no trip through the event loop."""
+    (RingReader.wait_published). Its first phases look at the header at every turn of the event
+    loop; this process's loop has nothing else to run, so looking in a plain loop is the same
+    (without a trip through the loop that the PD worker, already in a coroutine, does not make)."""
     from epdq.ring import spin_budget
 
     if not reader.spin(segment, offset, nbytes, key, generation, spin_budget(nbytes)):
         loop.run_until_complete(reader.wait_published(segment, offset, nbytes, key, generation))
-
