@@ -369,7 +369,7 @@ class Broker:
     def _on_ping(self, identity: bytes, peer: _Peer | None, msg: P.Ping, payload: list[Any]) -> None:
         held = self._clients.get(identity, ())
         unknown = [rid for rid in msg.request_ids if rid not in held][:MAX_PONG_UNKNOWN]
-        self._send(identity, P.Pong(msg.nonce, self.broker_id, unknown))
+        self._send(identity, P.Pong(msg.nonce, self.broker_id, unknown, P.PROTOCOL_VERSION))
 
     def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:
         self._send(identity, self.stats(msg.nonce))

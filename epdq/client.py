@@ -119,6 +119,7 @@ class AsyncClient:
         self._last_heard = 0.0
         self._upload_until = 0.0  # monotonic time by which the images sent so far should be through
         self._broker_id: str | None = None
+        self._incompatible: ProtocolError | None = None  # the last PONG came from another protocol version
         self._handshakes: HandshakeWatch | None = None
         self._pinger: asyncio.Task | None = None
         self.reconnects = 0
@@ -273,6 +274,17 @@ class AsyncClient:
             return
         self._last_heard = time.monotonic()
         if isinstance(msg, P.Pong):
+            if msg.protocol_version != P.PROTOCOL_VERSION:
+                # its messages and ours differ (a BATCH of ours it would drop unread): fail now, and
+                # refuse new requests until a broker of this release answers
+                self._incompatible = ProtocolError(
+                    f"the broker runs another epdq release (protocol version {msg.protocol_version or '5 or older'}); "
+                    f"this client speaks protocol version {P.PROTOCOL_VERSION}: run one release across the cluster"
+                )
+                log.warning("%s", self._incompatible.message)
+                self._fail_all(self._incompatible)
+                return
+            self._incompatible = None
             # Only the requests the broker says it does not hold are lost. A new broker_id alone
             # says nothing about them: a broker that restarted while this client was idle holds
             # every request sent since, and answers them.
@@ -441,6 +453,8 @@ class AsyncClient:
     def _require_channel(self) -> Channel:
         if self._channel is None:
             raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
+        if self._incompatible is not None:
+            raise ProtocolError(self._incompatible.message)
         if self._channel.loop is not asyncio.get_running_loop():
             self._follow_running_loop()
         if self._handshakes is not None and self._handshakes.refused:

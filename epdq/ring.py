@@ -65,7 +65,7 @@ RELINK_CHECK_S = 1.0
 # encoder's copy can take at COPY_BYTES_PER_S (bounded), then every POLL_S until the timeout.
 SPIN_S = 50e-6
 COPY_BYTES_PER_S = 1e9
-MAX_EAGER_S = 0.25
+MAX_EAGER_S = 0.05  # then the waiting reader gives its core back to the copy (a 2-core machine)
 POLL_S = 1e-3  # uvloop's timers tick in milliseconds
 LIVENESS_POLLS = 10  # polls between two looks at whether the segment's writer is still alive
 PUBLISH_TIMEOUT_S = 2.0
@@ -521,10 +521,11 @@ class RingReader:
         seg = self._attach(segment)
         if offset % ALIGN or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > seg.size:
             raise ProtocolError(f"entry [{offset}, +{nbytes}) is outside segment {segment}")
-        hdr = offset - HEADER_BYTES
-        if _header_ok(seg.mm, hdr, key, generation, nbytes):
+        # one read: the encoder may publish the entry between two, which then match neither
+        h = _HDR.unpack_from(seg.mm, offset - HEADER_BYTES)
+        if h == (_MAGIC, key, generation, nbytes):
             return seg, True
-        if _HDR.unpack_from(seg.mm, hdr) == (_PENDING, key, generation, nbytes):
+        if h == (_PENDING, key, generation, nbytes):
             if pending_ok:
                 return seg, False
             raise EntryPending(f"entry {key.hex()}@{generation} in {segment} is still being written")

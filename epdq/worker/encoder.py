@@ -40,6 +40,9 @@ class _Job:
 
 
 RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
+# Bytes announced ahead of their copy in one batch (see _announcing): the copies run one after
+# another, and a PD worker waiting for the last entry waits for all of them.
+ANNOUNCE_AHEAD_BYTES = 64 << 20
 # Fetch answers queued for one PD worker that does not take them. A PD worker has at most a few
 # hundred fetches in flight (its sequences times their images), so only a peer that stopped
 # reading gets here.
@@ -88,6 +91,7 @@ class EncoderWorker:
         # (key, generation, tensor) of the entries announced in this batch, copied in once their
         # completion events have left (see _announcing); None outside a batch
         self._fills: list[tuple[bytes, int, Any]] | None = None
+        self._fill_bytes = 0
 
     def idle(self) -> bool:
         """No job in hand and no entry pinned for a request (a draining encoder may leave: PD
@@ -243,23 +247,30 @@ class EncoderWorker:
         if job.epoch != self._epoch:
             return True  # a job of the previous registration (abandoned while it was encoded)
         early = self._fills is not None
+        t = out.embeds
         try:
-            loc = self.ring.reserve(job.key, out.embeds.nbytes) if early else self.ring.write(job.key, out.embeds)
+            loc = self.ring.reserve(job.key, t.nbytes) if early else self.ring.write(job.key, t)
         except RingFullError as e:
             self._fail(job, e)
             return True
         if loc is None:
             return False  # every candidate region is pinned; retried after the next unpin
-        t = out.embeds
-        ref = P.EmbedRef(
-            job.key, self.worker_id, self.node, self.ring.name, loc.offset, loc.nbytes, loc.generation,
-            str(t.dtype).removeprefix("torch."), list(t.shape), list(out.grid_thw), self.fetch_endpoint,
-            self._ring_kind,  # the IPC handle of a CUDA ring is stamped on by the broker (see REGISTER)
-        )  # fmt: skip
-        self.encoded += 1
-        self.link.send(P.Encoded(job.job_id, ref, encode_s))
         if early:
             self._fills.append((job.key, loc.generation, t))
+            self._fill_bytes += t.nbytes
+        try:
+            ref = P.EmbedRef(
+                job.key, self.worker_id, self.node, self.ring.name, loc.offset, loc.nbytes, loc.generation,
+                str(t.dtype).removeprefix("torch."), list(t.shape), list(out.grid_thw), self.fetch_endpoint,
+                self._ring_kind,  # the IPC handle of a CUDA ring is stamped on by the broker (see REGISTER)
+            )  # fmt: skip
+            self.link.send(P.Encoded(job.job_id, ref, encode_s))
+        except BaseException:
+            self.ring.unpin(job.key, loc.generation)  # nobody was told of it: cache, not pinned for good
+            raise
+        self.encoded += 1
+        if early and self._fill_bytes >= ANNOUNCE_AHEAD_BYTES:
+            self._fill_now()  # a PD worker waits for at most this much copying
         return True
 
     @contextlib.contextmanager
@@ -271,18 +282,27 @@ class EncoderWorker:
         if not getattr(self.ring, "announces_early", False) or self._fills is not None:
             yield
             return
-        self._fills = []
+        self._fills, self._fill_bytes = [], 0
         try:
             yield
         finally:
-            fills, self._fills = self._fills, None
-            if fills:
-                self.link.flush()
-                for key, generation, tensor in fills:
-                    try:
-                        self.ring.fill(key, generation, tensor)  # False: cleared meanwhile (re-registration)
-                    except Exception:  # the entry is dropped and reported evicted: it is encoded again
-                        log.exception("could not copy an embedding into the ring")
+            self._fill_now()
+            self._fills = None
+
+    def _fill_now(self) -> None:
+        """Send the completion events queued in `_announcing` (and the evictions their placement
+        caused: the broker must not send cache hits to entries that are gone), then copy the
+        announced entries in."""
+        fills, self._fills, self._fill_bytes = self._fills, [], 0
+        if not fills:
+            return
+        self._report_evictions()
+        self.link.flush()
+        for key, generation, tensor in fills:
+            try:
+                self.ring.fill(key, generation, tensor)  # False: cleared meanwhile (re-registration)
+            except Exception:  # the entry is dropped and reported evicted: it is encoded again
+                log.exception("could not copy an embedding into the ring")
 
     def _block(self, job: _Job, out: EncodedImage, encode_s: float) -> None:
         """No room for `out` now: keep it, and tell the broker, which may release pins that can

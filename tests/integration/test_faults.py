@@ -502,6 +502,10 @@ async def test_a_broker_speaking_another_protocol_fails_requests_at_once(tmp_pat
             with pytest.raises(ProtocolError, match="another epdq release"):
                 await c.stats(timeout=30)
             assert time.monotonic() - t0 < 10
+            # its PONG says no protocol version (older than 6): new requests are refused before they
+            # are sent, naming both versions (a BATCH of ours would be dropped by it unread)
+            with pytest.raises(ProtocolError, match=rf"protocol version 5 or older.*client speaks protocol version {P.PROTOCOL_VERSION}"):
+                await asyncio.wait_for(c.generate("hello again", max_tokens=2), 1)
     finally:
         server.cancel()
         await asyncio.gather(server, return_exceptions=True)

@@ -395,3 +395,121 @@ async def test_a_pd_worker_waits_for_an_entry_its_encoder_is_still_copying(image
     finally:
         worker.close()
         ring.close(unlink=True)
+
+
+def _encoder(ring):
+    from epdq.engines.noop import NoopVisionEngine
+    from epdq.worker.encoder import EncoderWorker
+
+    worker = EncoderWorker(NoopVisionEngine(), ring, worker_id="enc-test", node="n",
+                           max_image_bytes=1 << 20, max_image_pixels=1 << 20)  # fmt: skip
+    sent: list = []
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m),
+                                    "flush": lambda self: None})()  # fmt: skip
+    return worker, sent
+
+
+async def test_a_ring_that_cannot_announce_early_is_written_then_announced():
+    """A CUDA ring's copy runs on a stream: its entries are written first (as before), never
+    reserved; the encoder must not call reserve/fill on it."""
+    from epdq.demo import demo_image
+    from epdq.ring import RingWriter
+
+    class WriteOnly(RingWriter):
+        announces_early = False
+
+        def reserve(self, key, nbytes):
+            raise AssertionError("reserve on a ring that does not announce early")
+
+    ring = WriteOnly(1 << 20, owner_tag="test")
+    worker, sent = _encoder(ring)
+    loop = asyncio.create_task(worker.run())
+    try:
+        worker.handle(P.Encode(1, b"w" * 16), [demo_image(3, (64, 64))])
+        await _until(lambda: sent)
+        assert [type(m) for m in sent] == [P.Encoded] and ring.entry_count == 1
+        assert ring._space.by_key[b"w" * 16].published
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
+
+
+async def test_an_announced_entry_whose_copy_fails_is_reported_evicted_and_not_left_pinned(monkeypatch):
+    from epdq.demo import demo_image
+    from epdq.ring import RingWriter
+
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker, sent = _encoder(ring)
+
+    def broken(self, e, tensor, *, announced=False):
+        self._drop_unpublished(e, announced)
+        raise OSError("copy failed")
+
+    monkeypatch.setattr(RingWriter, "_copy_in", broken)
+    loop = asyncio.create_task(worker.run())
+    try:
+        worker.handle(P.Encode(1, b"f" * 16), [demo_image(4, (64, 64))])
+        await _until(lambda: any(isinstance(m, P.Evicted) for m in sent))
+        encoded = [m for m in sent if isinstance(m, P.Encoded)]
+        evicted = [e for m in sent if isinstance(m, P.Evicted) for e in m.entries]
+        assert len(encoded) == 1 and [(e.key, e.generation) for e in evicted] == [(b"f" * 16, encoded[0].ref.generation)]
+        assert ring.pinned_bytes == 0 and ring.entry_count == 0  # the broker re-encodes it; nothing kept pinned
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
+
+
+async def test_evictions_a_placement_causes_leave_with_its_completion_event():
+    """Placing an entry may evict older ones: the broker must hear of it in the same flush as the
+    completion event (before the copy), or it sends cache hits to entries that are gone."""
+    from epdq.demo import demo_image
+    from epdq.ring import RingWriter
+
+    ring = RingWriter(1 << 20, owner_tag="test")
+    for i in range(16):  # exactly full of unpinned (cache) entries of 64 KiB each, header included
+        k = i.to_bytes(16, "little")
+        ring.unpin(k, ring.write(k, torch.zeros((64 << 10) - 64, dtype=torch.uint8)).generation)
+    assert ring.used_bytes == ring.capacity and not ring.drain_evicted()
+    worker, sent = _encoder(ring)
+    at_flush: list = []
+    worker.link.flush = lambda: at_flush.extend(type(m) for m in sent)
+    loop = asyncio.create_task(worker.run())
+    try:
+        worker.handle(P.Encode(1, b"e" * 16), [demo_image(5, (64, 64))])
+        await _until(lambda: at_flush)
+        assert P.Encoded in at_flush and P.Evicted in at_flush, at_flush
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
+
+
+async def test_an_encoder_copies_in_what_it_announced_before_announcing_more_than_its_limit(monkeypatch):
+    """Copies run one after another: a PD worker waiting for an entry announced last in a big batch
+    would wait for all of them (past its 2 s), so at most ANNOUNCE_AHEAD_BYTES wait at once."""
+    from epdq.demo import demo_image
+    from epdq.ring import RingWriter
+    from epdq.worker import encoder as encoder_mod
+
+    monkeypatch.setattr(encoder_mod, "ANNOUNCE_AHEAD_BYTES", 1)  # each entry is over it
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker, sent = _encoder(ring)
+    flushes: list = []
+    worker.link.flush = lambda: flushes.append(sum(isinstance(m, P.Encoded) for m in sent))
+    loop = asyncio.create_task(worker.run())
+    try:
+        for i in range(3):
+            worker.handle(P.Encode(i + 1, bytes([i + 1]) * 16), [demo_image(i, (64, 64))])
+        await _until(lambda: len(flushes) >= 3)
+        assert flushes == [1, 2, 3]  # announced, copied; announced, copied; ...
+        assert all(e.published for e in ring._space.order)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)

@@ -136,9 +136,15 @@ def test_a_batch_packs_small_frames_into_one_and_sends_large_ones_apart():
 def test_malformed_packed_batches_are_refused(counts, sizes, packed, large):
     with pytest.raises(ProtocolError):
         P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([counts, sizes]), packed, *large])
-    # nothing but the header: refused too
-    with pytest.raises(ProtocolError):
-        P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([counts, sizes])])
+
+
+def test_batch_headers_are_bounded_before_they_are_decoded():
+    with pytest.raises(ProtocolError, match="sizes do not match"):  # sizes, but no packed frame
+        P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([[2], [1, 1]])])
+    with pytest.raises(ProtocolError, match="larger than"):  # a 60 MiB header cost 0.5 GB and 1 s to decode
+        P.split_batch([P.BATCH_TYPE, bytes(P.MAX_HEADER_BYTES + 1), b""])
+    with pytest.raises(ProtocolError, match="length <= 4096"):
+        P.split_batch([P.BATCH_TYPE, msgspec.msgpack.encode([[2] * (P.MAX_BATCH + 1)]), b""])
 
 
 def test_ping_request_ids_are_bounded():

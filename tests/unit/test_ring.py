@@ -536,10 +536,32 @@ async def test_waiting_ends_at_once_when_the_writer_died_mid_copy(writer, reader
     assert asyncio.get_running_loop().time() - t0 < 1.0
 
 
-def test_the_cuda_ring_does_not_announce_early():
-    from epdq.ring_cuda import CudaRingWriter
+def test_an_entry_published_between_two_header_reads_is_not_taken_as_gone(writer, reader, monkeypatch):
+    """The reader looked at the header twice (the real magic? then "being written"?): published in
+    between, the entry matched neither and a good entry was reported gone (re-encoded)."""
+    t = torch.randn(256)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    real = ring_mod._HDR
 
-    assert RingWriter.announces_early and not CudaRingWriter.announces_early
+    class PublishAfterFirstRead:
+        reads = 0
+
+        def unpack_from(self, buf, offset=0):
+            h = real.unpack_from(buf, offset)
+            PublishAfterFirstRead.reads += 1
+            if PublishAfterFirstRead.reads == 1:
+                writer.fill(k, loc.generation, t)  # the encoder's copy ends right after this read
+            return h
+
+        def pack_into(self, *a):
+            return real.pack_into(*a)
+
+    monkeypatch.setattr(ring_mod, "_HDR", PublishAfterFirstRead())
+    view, published = reader.view_early(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (256,))
+    monkeypatch.setattr(ring_mod, "_HDR", real)
+    assert not published and reader.spin(writer.name, loc.offset, loc.nbytes, k, loc.generation, 0.0)
+    assert torch.equal(view, t)
 
 
 # -- hostile messages -----------------------------------------------------------------------------
