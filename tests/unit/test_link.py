@@ -333,18 +333,11 @@ async def test_an_encoder_announces_each_entry_before_it_copies_the_bytes_in():
     from epdq.engines.noop import NoopVisionEngine
     from epdq.media import decode_image
     from epdq.ring import _HDR, _MAGIC, _PENDING, RingReader, RingWriter
-    from epdq.worker.encoder import EncoderWorker
 
     ring = RingWriter(1 << 20, owner_tag="test")
-    worker = EncoderWorker(NoopVisionEngine(), ring, worker_id="enc-test", node="n",
-                           max_image_bytes=1 << 20, max_image_pixels=1 << 20)  # fmt: skip
-    sent: list = []
+    worker, sent = _encoder(ring)
     at_flush: list = []
-
-    def flush(_self) -> None:
-        at_flush.extend(_HDR.unpack_from(ring._mm, m.ref.offset - 64)[0] for m in sent)
-
-    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m), "flush": flush})()
+    worker.link.flush = lambda: at_flush.extend(_HDR.unpack_from(ring._mm, m.ref.offset - 64)[0] for m in sent)
     loop = asyncio.create_task(worker.run())
     reader = RingReader()
     try:
