@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
-from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry, entry_span
+from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
 from epdq.transport import pid_alive as _pid_alive  # one liveness test for segments and socket files
 
 SHM_DIR = "/dev/shm"
@@ -194,43 +194,20 @@ class RingWriter:
 
     def write(self, key: bytes, tensor: torch.Tensor) -> EntryLoc | None:
         """Copy `tensor` into the ring as a new pinned entry; None if every window is pinned."""
-        _check_key(key)
-        nbytes = tensor.nbytes
-        span = entry_span(nbytes)
-        if span > self.capacity:
-            raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
         with self._lock:
-            self._check_open()
-            old = self._space.by_key.get(key)
-            if old is not None:
-                self._space.set_pinned(old, True)
-                return old.loc()
-            start = self._space.find_window(span)
-            return None if start is None else self._place(start, span, key, tensor, nbytes)
+            e = self._entry_for(key, tensor.nbytes)
+            if e is not None and not e.published:
+                self._copy_in(e, tensor)
+            return None if e is None else e.loc()
 
     def reserve(self, key: bytes, nbytes: int) -> EntryLoc | None:
         """Place a new pinned entry of `nbytes` without its bytes: its header says "being written"
         until `fill` copies them in, so its location can be announced first (readers wait for it).
         A key already resident is pinned and returned as it is (its `fill` then does nothing).
         None if every window is pinned."""
-        # The encoder's hot path, run with the caches its vision forward left cold: few calls.
-        if type(key) is not bytes or len(key) != KEY_BYTES:
-            _check_key(key)
-        span = HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN  # entry_span, inlined
-        if span > self.capacity or nbytes < 0:
-            raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
         with self._lock:
-            if self._closed:
-                self._check_open()
-            space = self._space
-            old = space.by_key.get(key)
-            if old is not None:
-                space.set_pinned(old, True)
-                return old.loc()
-            start = space.find_window(span)
-            if start is None:
-                return None
-            return self._claim(start, span, key, nbytes).loc()
+            e = self._entry_for(key, nbytes)
+            return None if e is None else e.loc()
 
     def fill(self, key: bytes, generation: int, tensor: torch.Tensor) -> bool:
         """Copy `tensor` into the entry `reserve` made and publish it. False if that entry is no
@@ -341,6 +318,25 @@ class RingWriter:
         if report:
             self._evicted.append((e.key, e.generation))
 
+    def _entry_for(self, key: bytes, nbytes: int) -> _Entry | None:
+        """The entry of `key`, pinned: the resident one, or a new one claimed for `nbytes` (not
+        written yet); None if every window is pinned."""
+        # The encoder's hot path, run with the caches its vision forward left cold: few calls.
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            _check_key(key)
+        span = HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN  # entry_span, inlined
+        if span > self.capacity or nbytes < 0:
+            raise RingFullError(f"embedding of {nbytes} bytes does not fit a ring of {self.capacity}")
+        if self._closed:
+            self._check_open()
+        space = self._space
+        old = space.by_key.get(key)
+        if old is not None:
+            space.set_pinned(old, True)
+            return old
+        start = space.find_window(span)
+        return None if start is None else self._claim(start, span, key, nbytes)
+
     def _claim(self, start: int, span: int, key: bytes, nbytes: int) -> _Entry:
         """Take the window at `start` for a new pinned entry: evict what it overlaps, record it."""
         space = self._space
@@ -392,6 +388,7 @@ class RingWriter:
         e.published = True
 
     def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
+        """Claim the window at `start` and write the entry (tests place entries where they want)."""
         e = self._claim(start, span, key, nbytes)
         self._copy_in(e, tensor)
         return e.loc()

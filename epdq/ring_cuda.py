@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from epdq import protocol as P
-from epdq.errors import ProtocolError, StaleEmbeddingError
+from epdq.errors import EntryPending, ProtocolError, StaleEmbeddingError
 from epdq.ring import MAX_CAPACITY, MIN_CAPACITY, RingWriter, _check_key, _round_up
-from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
+from epdq.ring_space import ALIGN, HEADER_BYTES, RingSpace, _Entry
 
 KIND = "cuda"
 _MAGIC = b"EPDQCRG1"
@@ -117,13 +117,9 @@ class CudaRingWriter(RingWriter):
     it inherits); `write` returns once the entry is complete on the device."""
 
     kind = KIND
-    announces_early = False  # its copy runs on a CUDA stream: `write` returns once it is done, then the entry is announced
-
-    def reserve(self, key: bytes, nbytes: int) -> EntryLoc | None:
-        raise NotImplementedError("a CUDA ring writes, then announces (write)")
-
-    def fill(self, key: bytes, generation: int, tensor: torch.Tensor) -> bool:
-        raise NotImplementedError("a CUDA ring writes, then announces (write)")
+    # `reserve` + `fill` work here too, but its readers (CudaRingReader) do not wait for an entry
+    # still being written, so the encoder writes, then announces
+    announces_early = False
 
     def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", owner_tag: str = "enc"):
         # RingWriter.__init__ is not called: there is no shared-memory segment. The attributes its
@@ -185,6 +181,8 @@ class CudaRingWriter(RingWriter):
             e = self._space.by_key.get(key)
             if e is None or (e.start + HEADER_BYTES, e.nbytes, e.generation) != (offset, nbytes, generation):
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
+            if not e.published:
+                raise EntryPending(f"entry {key.hex()}@{generation} is still being written")
             # under the lock no write can start, and every write is finished when it releases it
             out = torch.empty(nbytes, dtype=torch.uint8)
             with _stream_ctx(self._stream):
@@ -214,17 +212,23 @@ class CudaRingWriter(RingWriter):
         if report:
             self._evicted.append((e.key, e.generation))
 
-    def _place(self, start: int, span: int, key: bytes, tensor: torch.Tensor, nbytes: int) -> EntryLoc:
-        assert self._buf is not None
-        if tensor.device.type != "cpu" and tensor.device != self.device:
-            tensor = tensor.to(self.device)  # another GPU of this process: one peer copy first
-        producer = torch.cuda.current_stream(self.device) if self._cuda else None
+    def _claim(self, start: int, span: int, key: bytes, nbytes: int) -> _Entry:
+        # no "being written" header: its readers never wait for one (the invalidations above make
+        # whatever lay here fail their header check until the real header is written)
         for victim in self._space.overlapping(start, start + span):
             self._evict(victim)
-        e = _Entry(key, self._next_gen, start, span, nbytes)
+        e = _Entry(key, self._next_gen, start, span, nbytes, False)
         self._next_gen += 1
         self._space.add(e)
+        return e
+
+    def _copy_in(self, e: _Entry, tensor: torch.Tensor, *, announced: bool = False) -> None:
+        assert self._buf is not None
+        nbytes = e.nbytes
         try:
+            if tensor.device.type != "cpu" and tensor.device != self.device:
+                tensor = tensor.to(self.device)  # another GPU of this process: one peer copy first
+            producer = torch.cuda.current_stream(self.device) if self._cuda else None
             with _stream_ctx(self._stream):
                 if self._stream is not None and tensor.is_cuda:
                     self._stream.wait_stream(producer)  # the vision forward that made `tensor`
@@ -233,17 +237,16 @@ class CudaRingWriter(RingWriter):
                     dst = self._buf[off : off + nbytes].view(tensor.dtype).view(tensor.shape)
                     with torch.no_grad():
                         dst.copy_(tensor, non_blocking=True)
-                _HDR.pack_into(self._hdr_host.numpy(), 0, _MAGIC, key, e.generation, nbytes)
-                self._buf[start : start + HEADER_BYTES].copy_(self._hdr_host, non_blocking=True)
+                _HDR.pack_into(self._hdr_host.numpy(), 0, _MAGIC, e.key, e.generation, nbytes)
+                self._buf[e.start : e.start + HEADER_BYTES].copy_(self._hdr_host, non_blocking=True)
             if self._stream is not None:
                 # the completion event that follows must only name finished bytes; this also makes
                 # the pinned header staging free for the next write
                 self._stream.synchronize()
         except BaseException:
-            self._space.set_pinned(e, False)
-            self._evict(e, report=False)  # never published
+            self._drop_unpublished(e, announced)  # never published
             raise
-        return e.loc()
+        e.published = True
 
 
 class CudaRingReader:

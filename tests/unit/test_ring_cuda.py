@@ -190,6 +190,27 @@ def test_write_then_read_exact_bytes(cpu_ring):
     assert w.entry_count == 3 and w.pinned_bytes == w.used_bytes
 
 
+def test_reserve_then_fill_as_the_shm_ring_does(cpu_ring):
+    """The encoder writes, then announces, on this ring (announces_early False: its readers do
+    not wait for bytes still coming), but reserve/fill behave as the shared-memory ring's."""
+    from epdq.errors import StaleEmbeddingError
+
+    w, r = cpu_ring
+    t, k = torch.randn(12, 32), key()
+    loc = w.reserve(k, t.nbytes)
+    with pytest.raises(StaleEmbeddingError):  # not in yet: neither read nor fetched
+        r.read(ref_for(w.name, k, loc, t, None), torch.float32)
+    with pytest.raises(StaleEmbeddingError):
+        w.read_bytes(loc.offset, loc.nbytes, k, loc.generation)
+    assert w.fill(k, loc.generation, t)
+    assert torch.equal(r.read(ref_for(w.name, k, loc, t, None), torch.float32), t)
+    with pytest.raises(ValueError):  # a fill of the wrong size drops the entry and reports it
+        k2 = key()
+        w.fill(k2, w.reserve(k2, 64).generation, torch.zeros(32))
+    assert w.lookup(k2) is None and [e[0] for e in w.drain_evicted()] == [k2]
+    assert not CudaRingWriter.announces_early
+
+
 def test_same_key_is_stored_once_and_pins_follow_the_shm_ring(cpu_ring):
     w, _ = cpu_ring
     t, k = torch.ones(8, 16), key()
