@@ -32,7 +32,7 @@ from epdq.errors import (
 )
 from epdq.handshake import HandshakeWatch, watch_client
 from epdq.keys import security_for
-from epdq.media import decode_data_url, is_pil_image, load_image_bytes
+from epdq.media import LOAD_INLINE_BYTES, decode_data_url, is_pil_image, load_image_bytes, loads_slowly
 from epdq.security import SecurityConfig, curve_required
 from epdq.transport import Channel, endpoint_problem, make_socket
 
@@ -325,10 +325,11 @@ class AsyncClient:
 
         Token messages are collected as they arrive into one future (no queue, no generator):
         the same messages, errors and deadline as `stream`, for less work per request."""
-        ch = self._require_channel()
-        rid, frames, copy, timeout = self._prepare(
+        self._require_channel()  # a closed client fails before any image is loaded
+        rid, frames, copy, timeout = await self._prepare_async(
             prompt, images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos, timeout, route
         )
+        ch = self._require_channel()  # again: loading the images may have awaited
         loop = asyncio.get_running_loop()
         sink = _Collector(rid, loop.create_future())
         self._streams[rid] = sink
@@ -373,10 +374,11 @@ class AsyncClient:
         seconds (None: the broker's --timeout). `route`: "auto" | "epd" | "colocated". Breaking
         out of the loop or cancelling the task cancels the request on the broker and the PD worker.
         """
-        ch = self._require_channel()
-        rid, frames, copy, timeout = self._prepare(
+        self._require_channel()  # a closed client fails before any image is loaded
+        rid, frames, copy, timeout = await self._prepare_async(
             prompt, images, messages, max_tokens, temperature, top_p, seed, stop, ignore_eos, timeout, route
         )
+        ch = self._require_channel()  # again: loading the images may have awaited
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._streams[rid] = q
@@ -463,6 +465,33 @@ class AsyncClient:
             self._reopen()
         return self._channel
 
+    async def _prepare_async(
+        self, prompt: Any, images: Any, messages: Any, *args: Any
+    ) -> tuple[str, list[Any], bool, float]:
+        """`_prepare`, with the images turned into bytes on a worker thread where that may take a
+        while (a PIL image to encode, a file to read, a large data: URL to decode), so that this
+        event loop keeps serving every other request meanwhile; small bytes stay on it (a thread
+        hop would cost more than the work)."""
+        if not _loads_slowly(images, messages):
+            return self._prepare(prompt, images, messages, *args)
+        self._check_args(*args)  # a bad argument fails before a large image is encoded
+        built = await asyncio.to_thread(build_messages, prompt, images, messages)
+        return self._prepare(prompt, images, messages, *args, built=built)
+
+    def _check_args(
+        self, max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: Any, ignore_eos: Any, timeout: Any,
+        route: Any,
+    ) -> tuple[P.Sampling, float | None]:  # fmt: skip
+        if timeout is None:
+            timeout = self.timeout
+        elif not _is_number(timeout):
+            raise InvalidInputError("timeout must be a number of seconds")
+        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+            raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
+        if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
+            raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
+        return _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos), timeout
+
     def _prepare(
         self,
         prompt: str | None,
@@ -476,27 +505,21 @@ class AsyncClient:
         ignore_eos: Any,
         timeout: Any,
         route: Any,
+        built: tuple[list[P.ChatMessage], list[bytes]] | None = None,
     ) -> tuple[str, list[Any], bool, float]:
-        """Validate arguments; (request id, SUBMIT frames, copy flag, timeout).
+        """Validate arguments; (request id, SUBMIT frames, copy flag, timeout). `built`: what
+        `build_messages` made of (prompt, images, messages) already.
 
         Types and value ranges are checked here, so that nothing the broker would refuse is sent
         (a refused request would have uploaded its images first)."""
-        chat, blobs = build_messages(prompt, images, messages)
+        sampling, timeout = self._check_args(max_tokens, temperature, top_p, seed, stop, ignore_eos, timeout, route)
+        chat, blobs = build_messages(prompt, images, messages) if built is None else built
         if len(blobs) > P.MAX_PAYLOAD_FRAMES:
             raise InvalidInputError(f"{len(blobs)} images; the protocol carries at most {P.MAX_PAYLOAD_FRAMES}")
         try:
             P.validate_messages(chat, len(blobs))
         except ProtocolError as e:
             raise InvalidInputError(e.message) from None
-        if timeout is None:
-            timeout = self.timeout
-        elif not _is_number(timeout):
-            raise InvalidInputError("timeout must be a number of seconds")
-        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
-            raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
-        if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
-            raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
-        sampling = _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos)
         rid = f"{self._rid_prefix}{next(self._rids):x}"
         # 0: the broker applies its own --timeout; this client then waits as long as the broker may
         sub = P.Submit(rid, chat, sampling, 0.0 if timeout is None else float(timeout), len(blobs), route)
@@ -599,6 +622,33 @@ def build_messages(
     blobs = [load_image_bytes(im) for im in images]
     parts = [P.Part("image") for _ in blobs] + [P.Part("text", prompt)]
     return [P.ChatMessage("user", parts)], blobs
+
+
+def _loads_slowly(images: Any, messages: Any) -> bool:
+    """Whether any image of (images, messages) may take a while to turn into bytes (see
+    `epdq.media.loads_slowly`). Malformed arguments are not: `build_messages` refuses them at once."""
+    if messages is not None:
+        if not isinstance(messages, list):
+            return False
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            for part in content if isinstance(content, (list, tuple)) else ():
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image" and loads_slowly(part.get("image")):
+                    return True
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if isinstance(url, str) and len(url) > LOAD_INLINE_BYTES:
+                        return True
+        return False
+    if images is None or isinstance(images, (dict, set)):
+        return False
+    if isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike)) or is_pil_image(images):
+        return loads_slowly(images)
+    if isinstance(images, (list, tuple)):
+        return any(loads_slowly(im) for im in images)
+    return isinstance(images, Iterable)  # a generator: it is consumed once, by build_messages
 
 
 def _is_number(v: Any) -> bool:

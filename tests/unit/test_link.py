@@ -506,3 +506,45 @@ async def test_an_encoder_copies_in_what_it_announced_before_announcing_more_tha
         with contextlib.suppress(asyncio.CancelledError):
             await loop
         ring.close(unlink=True)
+
+
+async def test_an_encoder_decodes_large_images_off_its_event_loop(monkeypatch):
+    """A batch of large images took seconds to decode on the loop, where pins, fetches and
+    heartbeats wait; small ones stay there (a thread hop costs more than decoding them)."""
+    import threading
+
+    from epdq.demo import demo_image
+    from epdq.ring import RingWriter
+    from epdq.worker import encoder as enc
+
+    threads: list[int] = []
+    real = enc.decode_image
+
+    def recording(data, **kw):
+        threads.append(threading.get_ident())
+        return real(data, **kw)
+
+    monkeypatch.setattr(enc, "decode_image", recording)
+    ring = RingWriter(8 << 20, owner_tag="test")
+    worker, sent = _encoder(ring)
+    worker.max_image_pixels = 1 << 22
+    loop = asyncio.create_task(worker.run())
+    try:
+        worker.handle(P.Encode(1, b"s" * 16), [demo_image(1, (64, 64))])
+        await _until(lambda: len(sent) == 1)
+        assert threads == [threading.get_ident()]
+        big = demo_image(2, (512, 512))
+        assert enc.header_pixels(big) > enc.DECODE_INLINE_PIXELS
+        # one batch: a large image, and a bad one whose error must still reach the broker
+        worker.handle(P.Encode(2, b"b" * 16), [big])
+        worker.handle(P.Encode(3, b"x" * 16), [b"\x89PNG\r\n\x1a\n" + b"\0" * 40])
+        await _until(lambda: len(sent) == 3)
+        assert threading.get_ident() not in threads[1:] and len(threads) == 3
+        by_job = {m.job_id: type(m) for m in sent}
+        assert by_job == {1: P.Encoded, 2: P.Encoded, 3: P.EncodeFailed}
+        assert ring.entry_count == 2
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
