@@ -98,6 +98,7 @@ class GatewayConfig:
 # ---------------------------------------------------------------- app
 
 _END = object()
+PARSE_INLINE_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -298,7 +299,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def _chat(request: Request, rec: _Record):
         raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
-        req = parse_request(raw)
+        # a large body (data: URLs) takes ~0.6 ms per MiB to parse: not on the loop every stream shares
+        req = parse_request(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse_request, raw)
         rec.stream = bool(req.stream)  # so a refused stream request is counted as one
         if req.model != config.model_name:
             raise HTTPError(404, f"model {req.model[:100]!r} not found", "invalid_request_error", "model_not_found")

@@ -579,3 +579,31 @@ async def test_a_stream_nobody_reads_is_cancelled_not_buffered(tmp_path):
         assert m.get('epdq_gateway_requests_total{code="499",mode="stream"}') == 1, m
         s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0, timeout=10)
         assert s["counters"]["cancelled"] == 1  # upstream was cancelled, not run to 32,768 tokens
+
+
+async def test_a_large_image_goes_through_the_threads_and_matches_the_client(tmp_path):
+    """A body over 1 MiB is parsed, and a data: URL over 64 KiB decoded, on threads (they used to
+    stall every stream of the gateway's loop): the answer is the one the client gets directly."""
+    from epdq import gateway as gw
+    from epdq import media
+
+    png = demo_image(9, (64, 64)) + os.urandom(1 << 20)  # trailing bytes after IEND: a large file
+    url = data_url(png)
+    assert len(url) > gw.PARSE_INLINE_BYTES and len(url) > media.LOAD_INLINE_BYTES
+    async with Cluster(noop_spec(tmp_path)) as cluster, gateway(cluster.address) as base:
+        async with aiohttp.ClientSession() as http:
+            def post(body: dict):
+                # a BytesIO: aiohttp's JsonPayload refuses bodies this large
+                raw = io.BytesIO(json.dumps(body).encode())
+                return http.post(f"{base}/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+
+            body = {"model": MODEL, "messages": image_message(url, "x"), "max_tokens": 4}
+            async with post(body) as resp:
+                assert resp.status == 200, await resp.text()
+                got = (await resp.json())["choices"][0]["message"]["content"]
+            bad = {"model": MODEL, "messages": image_message(url[:-8] + "!!!!!!!!", "x")}
+            async with post(bad) as resp:
+                assert resp.status == 400 and "invalid base64" in (await resp.json())["error"]["message"]
+        async with AsyncClient(cluster.address) as c:
+            want = await c.generate(messages=image_message(url, "x"), max_tokens=4)
+        assert got == want.text and got.count("<") == 4
