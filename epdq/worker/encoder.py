@@ -24,7 +24,7 @@ import zmq
 from epdq import protocol as P
 from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
-from epdq.media import decode_image, header_pixels
+from epdq.media import DECODE_INLINE_PIXELS, decode_image, header_pixels
 from epdq.ring import KEY_BYTES, RingWriter
 from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket, remove_stale_ipc_sockets
 
@@ -39,10 +39,6 @@ class _Job:
     epoch: int = 0  # the registration it came with (EncoderWorker.abandon)
 
 
-# A batch of images with more pixels than this is decoded on a thread, not on the event loop
-# (which an engine with no forward to wait for would otherwise use: a hop costs ~0.1 ms, and
-# this many pixels of PNG decode in about 0.4 ms here).
-DECODE_INLINE_PIXELS = 256 * 256
 RING_BLOCKED_REPORT_S = 1.0  # how often a result still waiting for ring space is reported again
 # Bytes announced ahead of their copy in one batch (see _announcing): the copies run one after
 # another, and a PD worker waiting for the last entry waits for all of them.
@@ -200,8 +196,9 @@ class EncoderWorker:
         if getattr(self.engine, "inline", False) and sum(header_pixels(j.image) for j in batch) <= DECODE_INLINE_PIXELS:
             good, images, failed = self._decode(batch)
         else:
-            # Large images take a while to decode (a 12 MP JPEG ~70 ms here, a batch of them
-            # seconds): meanwhile this loop keeps answering pins, fetches and heartbeats.
+            # a batch of large images takes seconds to decode: meanwhile this loop keeps
+            # answering pins, fetches and heartbeats (an engine that is not inline runs its
+            # forward on a thread anyway)
             good, images, failed = await asyncio.to_thread(self._decode, batch)
         for job, e in failed:
             self._fail(job, e)

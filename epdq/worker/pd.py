@@ -37,7 +37,7 @@ from epdq.errors import (
     StaleEmbeddingError,
 )
 from epdq.keys import own_public_key
-from epdq.media import decode_image
+from epdq.media import DECODE_INLINE_PIXELS, decode_image, header_pixels
 from epdq.ring import RingReader
 from epdq.transport import Channel, endpoint_problem, make_socket
 
@@ -312,10 +312,10 @@ class PDWorker:
             if msg.embeds:
                 raise InvalidInputError("a colocated worker takes images, not embeddings")
             if payload:
-                kwargs["images"] = [
-                    decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
-                    for f in payload
-                ]
+                if sum(header_pixels(f) for f in payload) <= DECODE_INLINE_PIXELS:
+                    kwargs["images"] = self._decode(payload)
+                else:  # not on the loop that streams every other sequence's tokens
+                    kwargs["images"] = await asyncio.to_thread(self._decode, payload)
         elif msg.embeds:
             kwargs["image_embeds"], kwargs["image_grid_thw"], viewed = await self._gather(msg.embeds)
         elif payload:
@@ -340,6 +340,9 @@ class PDWorker:
             P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None, final.prompt_tokens),
         )
         return n + len(final.token_ids), final.finish_reason
+
+    def _decode(self, frames: list[Any]) -> list[Any]:
+        return [decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels) for f in frames]
 
     async def _gather(self, refs: list[P.EmbedRef]) -> tuple[torch.Tensor, torch.Tensor, P.EmbedRef | None]:
         """Embeddings of every image in prompt order in ONE tensor, and their grids [n, 3].

@@ -548,3 +548,47 @@ async def test_an_encoder_decodes_large_images_off_its_event_loop(monkeypatch):
         with contextlib.suppress(asyncio.CancelledError):
             await loop
         ring.close(unlink=True)
+
+
+async def test_a_colocated_worker_decodes_large_images_off_the_loop_that_streams_tokens(monkeypatch):
+    """A colocated worker decoded every image on the loop that streams all its sequences'
+    tokens: one large image stalled every other request on it."""
+    import threading
+
+    from epdq.demo import demo_image
+    from epdq.engines.noop import NoopPDEngine
+    from epdq.worker import pd as pd_mod
+    from epdq.worker.pd import PDWorker
+
+    threads: list[int] = []
+    real = pd_mod.decode_image
+
+    def recording(data, **kw):
+        threads.append(threading.get_ident())
+        return real(data, **kw)
+
+    monkeypatch.setattr(pd_mod, "decode_image", recording)
+    worker = PDWorker(NoopPDEngine(), worker_id="both-test", node="n", colocated=True, max_image_bytes=1 << 22,
+                      max_image_pixels=1 << 22)  # fmt: skip
+    sent: list = []
+    worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m)})()
+    parts = [P.Part("image"), P.Part("text", "what is it")]
+    small, big = demo_image(1, (64, 64)), demo_image(2, (512, 512))
+    assert pd_mod.header_pixels(big) > pd_mod.DECODE_INLINE_PIXELS >= pd_mod.header_pixels(small)
+    try:
+        for rid, image in (("small", small), ("big", big)):
+            msg = P.Prefill(rid, [P.ChatMessage("user", parts)], P.Sampling(max_tokens=3), 30.0, [], 1)
+            worker.handle(msg, [image])
+            await _until(lambda rid=rid: any(m.request_id == rid and m.finish_reason for m in sent))
+        assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident() and len(threads) == 2
+        # the same tokens as the engine gives for the image decoded here
+        want = []
+        prompt = worker.engine.render_prompt(P.messages_to_openai([P.ChatMessage("user", parts)]))
+        from epdq.engines.base import SamplingSpec
+        from epdq.media import decode_image
+
+        async for d in worker.engine.generate("ref", prompt, SamplingSpec(3), images=[decode_image(big)]):
+            want += d.token_ids
+        assert [t for m in sent if m.request_id == "big" for t in m.token_ids] == want
+    finally:
+        worker.close()
