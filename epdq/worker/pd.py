@@ -322,23 +322,33 @@ class PDWorker:
             raise InvalidInputError("a PD worker takes embeddings, not images")
         final = None
         n = 0
-        async for d in self.engine.generate(msg.request_id, prompt, sampling, **kwargs):
-            if viewed:
-                # the engine has its copy of the embeddings by now: verify it read intact bytes
-                r, viewed = viewed, None
-                self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
-            if d.finish_reason is not None:
-                final = d
-                break
-            if d.token_ids or d.text:
-                n += len(d.token_ids)
-                self._send(msg.request_id, P.Tokens(msg.request_id, list(d.token_ids), d.text))
-        if final is None:
-            raise EngineError("the engine stopped without a finish reason")
-        self._send(
-            msg.request_id,
-            P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None, final.prompt_tokens),
-        )
+        stream = self.engine.generate(msg.request_id, prompt, sampling, **kwargs)
+        try:
+            async for d in stream:
+                if viewed:
+                    # the engine has its copy of the embeddings by now: verify it read intact bytes
+                    r, viewed = viewed, None
+                    self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
+                if d.finish_reason is not None:
+                    final = d
+                    break
+                if d.token_ids or d.text:
+                    n += len(d.token_ids)
+                    self._send(msg.request_id, P.Tokens(msg.request_id, list(d.token_ids), d.text))
+            if final is None:
+                raise EngineError("the engine stopped without a finish reason")
+            self._send(
+                msg.request_id,
+                P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None,
+                         final.prompt_tokens),
+            )  # fmt: skip
+            # One more step lets the engine's generator end by itself. Left suspended after its
+            # last delta, it was closed later by the event loop's async-generator finalizer: a
+            # self-pipe write (a system call) and a task per request; and closing vLLM's stream
+            # before its end aborts the request, finished or not (one more message to its core).
+            await anext(stream, None)
+        finally:
+            await stream.aclose()  # nothing to do once it has ended; an early exit closes it now
         return n + len(final.token_ids), final.finish_reason
 
     def _decode(self, frames: list[Any]) -> list[Any]:

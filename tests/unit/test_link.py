@@ -592,3 +592,59 @@ async def test_a_colocated_worker_decodes_large_images_off_the_loop_that_streams
         assert [t for m in sent if m.request_id == "big" for t in m.token_ids] == want
     finally:
         worker.close()
+
+
+class _EndRecordingEngine:
+    """A NoopPDEngine whose generator records how it ended: run to its end, or closed at a
+    yield (vLLM's stream aborts the request when it is closed there, finished or not)."""
+
+    def __init__(self, deltas: int = 2):
+        from epdq.engines.noop import NoopPDEngine
+
+        self._noop = NoopPDEngine()
+        self.ends: list[str] = []
+        self.deltas = deltas
+
+    def __getattr__(self, name):
+        return getattr(self._noop, name)
+
+    async def generate(self, request_id, prompt, sampling, **kw):
+        from epdq.engines.base import Delta
+
+        try:
+            for i in range(self.deltas):
+                last = i == self.deltas - 1
+                yield Delta([i], f"<{i}>", "length" if last else None, 3 if last else 0)
+        except GeneratorExit:
+            self.ends.append("closed at a yield")
+            raise
+        self.ends.append("ran to its end")
+
+
+async def test_the_engine_stream_ends_by_itself_after_the_last_delta():
+    """The PD worker left the engine's generator suspended after its last delta: the event loop's
+    finalizer closed it later (a self-pipe write and a task per request), and for vLLM that close
+    aborted every finished request."""
+    engine = _EndRecordingEngine()
+    worker, _ = _pd_worker(engine)
+    try:
+        tokens, finish = await worker._generate(_prefill("r1", 2), [])
+        assert (tokens, finish) == (2, "length") and engine.ends == ["ran to its end"]
+    finally:
+        worker.close()
+
+
+async def test_the_engine_stream_is_closed_at_once_when_the_worker_leaves_it_early():
+    engine = _EndRecordingEngine(deltas=5)
+    worker, _ = _pd_worker(engine)
+
+    def failing_send(rid, msg):
+        raise RuntimeError("link gone")
+
+    worker._send = failing_send
+    try:
+        with pytest.raises(RuntimeError, match="link gone"):
+            await worker._generate(_prefill("r2", 5), [])
+        assert engine.ends == ["closed at a yield"]  # now, not whenever the generator is collected
+    finally:
+        worker.close()
