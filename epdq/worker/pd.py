@@ -346,7 +346,10 @@ class PDWorker:
             # last delta, it was closed later by the event loop's async-generator finalizer: a
             # self-pipe write (a system call) and a task per request; and closing vLLM's stream
             # before its end aborts the request, finished or not (one more message to its core).
-            await anext(stream, None)
+            try:
+                await anext(stream, None)
+            except Exception:  # the request is answered: what the engine does after it is its own
+                log.debug("the engine's stream of %s failed after its last delta", msg.request_id, exc_info=True)
         finally:
             await stream.aclose()  # nothing to do once it has ended; an early exit closes it now
         return n + len(final.token_ids), final.finish_reason

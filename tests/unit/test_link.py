@@ -648,3 +648,17 @@ async def test_the_engine_stream_is_closed_at_once_when_the_worker_leaves_it_ear
         assert engine.ends == ["closed at a yield"]  # now, not whenever the generator is collected
     finally:
         worker.close()
+
+
+async def test_an_engine_that_fails_after_its_last_delta_does_not_fail_the_answered_request():
+    class FailsAfterTheEnd(_EndRecordingEngine):
+        async def generate(self, request_id, prompt, sampling, **kw):
+            async for d in super().generate(request_id, prompt, sampling, **kw):
+                yield d
+            raise RuntimeError("cleanup failed")
+
+    worker, _ = _pd_worker(FailsAfterTheEnd())
+    try:
+        assert await worker._generate(_prefill("r3", 2), []) == (2, "length")
+    finally:
+        worker.close()
