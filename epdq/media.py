@@ -141,6 +141,12 @@ def header_pixels(data: Any) -> int:
     return size[0] * size[1] if size else 0
 
 
+def quick_to_decode(datas: Any) -> bool:
+    """Whether these image files, together, decode fast enough for an event loop that other
+    requests share (at most DECODE_INLINE_PIXELS, by their headers)."""
+    return sum(header_pixels(d) for d in datas) <= DECODE_INLINE_PIXELS
+
+
 def decode_image(
     data: Any,
     *,

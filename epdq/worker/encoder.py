@@ -24,7 +24,7 @@ import zmq
 from epdq import protocol as P
 from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
-from epdq.media import DECODE_INLINE_PIXELS, decode_image, header_pixels
+from epdq.media import decode_image, quick_to_decode
 from epdq.ring import KEY_BYTES, RingWriter
 from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket, remove_stale_ipc_sockets
 
@@ -193,7 +193,7 @@ class EncoderWorker:
 
     async def _encode_batch(self, batch: list[_Job]) -> None:
         t0 = time.perf_counter()
-        if getattr(self.engine, "inline", False) and sum(header_pixels(j.image) for j in batch) <= DECODE_INLINE_PIXELS:
+        if getattr(self.engine, "inline", False) and quick_to_decode(j.image for j in batch):
             good, images, failed = self._decode(batch)
         else:
             # a batch of large images takes seconds to decode: meanwhile this loop keeps

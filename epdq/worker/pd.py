@@ -37,7 +37,7 @@ from epdq.errors import (
     StaleEmbeddingError,
 )
 from epdq.keys import own_public_key
-from epdq.media import DECODE_INLINE_PIXELS, decode_image, header_pixels
+from epdq.media import decode_image, quick_to_decode
 from epdq.ring import RingReader
 from epdq.transport import Channel, endpoint_problem, make_socket
 
@@ -312,7 +312,7 @@ class PDWorker:
             if msg.embeds:
                 raise InvalidInputError("a colocated worker takes images, not embeddings")
             if payload:
-                if sum(header_pixels(f) for f in payload) <= DECODE_INLINE_PIXELS:
+                if quick_to_decode(payload):
                     kwargs["images"] = self._decode(payload)
                 else:  # not on the loop that streams every other sequence's tokens
                     kwargs["images"] = await asyncio.to_thread(self._decode, payload)

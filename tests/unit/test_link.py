@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from epdq import media
 from epdq import protocol as P
 from epdq.worker.link import BrokerLink
 
@@ -390,6 +391,34 @@ async def test_a_pd_worker_waits_for_an_entry_its_encoder_is_still_copying(image
         ring.close(unlink=True)
 
 
+def _decode_threads(monkeypatch, module) -> list[int]:
+    """The threads `module.decode_image` runs on, from now on."""
+    import threading
+
+    threads: list[int] = []
+    real = module.decode_image
+
+    def recording(data, **kw):
+        threads.append(threading.get_ident())
+        return real(data, **kw)
+
+    monkeypatch.setattr(module, "decode_image", recording)
+    return threads
+
+
+@contextlib.asynccontextmanager
+async def _running(worker, ring):
+    """`worker.run()` as a task for the block; then it is cancelled and the ring closed."""
+    loop = asyncio.create_task(worker.run())
+    try:
+        yield
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        ring.close(unlink=True)
+
+
 def _encoder(ring):
     from epdq.engines.noop import NoopVisionEngine
     from epdq.worker.encoder import EncoderWorker
@@ -416,17 +445,11 @@ async def test_a_ring_that_cannot_announce_early_is_written_then_announced():
 
     ring = WriteOnly(1 << 20, owner_tag="test")
     worker, sent = _encoder(ring)
-    loop = asyncio.create_task(worker.run())
-    try:
+    async with _running(worker, ring):
         worker.handle(P.Encode(1, b"w" * 16), [demo_image(3, (64, 64))])
         await _until(lambda: sent)
         assert [type(m) for m in sent] == [P.Encoded] and ring.entry_count == 1
         assert ring._space.by_key[b"w" * 16].published
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        ring.close(unlink=True)
 
 
 async def test_an_announced_entry_whose_copy_fails_is_reported_evicted_and_not_left_pinned(monkeypatch):
@@ -441,19 +464,13 @@ async def test_an_announced_entry_whose_copy_fails_is_reported_evicted_and_not_l
         raise OSError("copy failed")
 
     monkeypatch.setattr(RingWriter, "_copy_in", broken)
-    loop = asyncio.create_task(worker.run())
-    try:
+    async with _running(worker, ring):
         worker.handle(P.Encode(1, b"f" * 16), [demo_image(4, (64, 64))])
         await _until(lambda: any(isinstance(m, P.Evicted) for m in sent))
         encoded = [m for m in sent if isinstance(m, P.Encoded)]
         evicted = [e for m in sent if isinstance(m, P.Evicted) for e in m.entries]
         assert len(encoded) == 1 and [(e.key, e.generation) for e in evicted] == [(b"f" * 16, encoded[0].ref.generation)]
         assert ring.pinned_bytes == 0 and ring.entry_count == 0  # the broker re-encodes it; nothing kept pinned
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        ring.close(unlink=True)
 
 
 async def test_evictions_a_placement_causes_leave_with_its_completion_event():
@@ -470,16 +487,10 @@ async def test_evictions_a_placement_causes_leave_with_its_completion_event():
     worker, sent = _encoder(ring)
     at_flush: list = []
     worker.link.flush = lambda: at_flush.extend(type(m) for m in sent)
-    loop = asyncio.create_task(worker.run())
-    try:
+    async with _running(worker, ring):
         worker.handle(P.Encode(1, b"e" * 16), [demo_image(5, (64, 64))])
         await _until(lambda: at_flush)
         assert P.Encoded in at_flush and P.Evicted in at_flush, at_flush
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        ring.close(unlink=True)
 
 
 async def test_an_encoder_copies_in_what_it_announced_before_announcing_more_than_its_limit(monkeypatch):
@@ -494,18 +505,12 @@ async def test_an_encoder_copies_in_what_it_announced_before_announcing_more_tha
     worker, sent = _encoder(ring)
     flushes: list = []
     worker.link.flush = lambda: flushes.append(sum(isinstance(m, P.Encoded) for m in sent))
-    loop = asyncio.create_task(worker.run())
-    try:
+    async with _running(worker, ring):
         for i in range(3):
             worker.handle(P.Encode(i + 1, bytes([i + 1]) * 16), [demo_image(i, (64, 64))])
         await _until(lambda: len(flushes) >= 3)
         assert flushes == [1, 2, 3]  # announced, copied; announced, copied; ...
         assert all(e.published for e in ring._space.order)
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        ring.close(unlink=True)
 
 
 async def test_an_encoder_decodes_large_images_off_its_event_loop(monkeypatch):
@@ -517,24 +522,16 @@ async def test_an_encoder_decodes_large_images_off_its_event_loop(monkeypatch):
     from epdq.ring import RingWriter
     from epdq.worker import encoder as enc
 
-    threads: list[int] = []
-    real = enc.decode_image
-
-    def recording(data, **kw):
-        threads.append(threading.get_ident())
-        return real(data, **kw)
-
-    monkeypatch.setattr(enc, "decode_image", recording)
+    threads = _decode_threads(monkeypatch, enc)
     ring = RingWriter(8 << 20, owner_tag="test")
     worker, sent = _encoder(ring)
     worker.max_image_pixels = 1 << 22
-    loop = asyncio.create_task(worker.run())
-    try:
+    async with _running(worker, ring):
         worker.handle(P.Encode(1, b"s" * 16), [demo_image(1, (64, 64))])
         await _until(lambda: len(sent) == 1)
         assert threads == [threading.get_ident()]
         big = demo_image(2, (512, 512))
-        assert enc.header_pixels(big) > enc.DECODE_INLINE_PIXELS
+        assert media.header_pixels(big) > media.DECODE_INLINE_PIXELS
         # one batch: a large image, and a bad one whose error must still reach the broker
         worker.handle(P.Encode(2, b"b" * 16), [big])
         worker.handle(P.Encode(3, b"x" * 16), [b"\x89PNG\r\n\x1a\n" + b"\0" * 40])
@@ -543,11 +540,6 @@ async def test_an_encoder_decodes_large_images_off_its_event_loop(monkeypatch):
         by_job = {m.job_id: type(m) for m in sent}
         assert by_job == {1: P.Encoded, 2: P.Encoded, 3: P.EncodeFailed}
         assert ring.entry_count == 2
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        ring.close(unlink=True)
 
 
 async def test_a_colocated_worker_decodes_large_images_off_the_loop_that_streams_tokens(monkeypatch):
@@ -560,21 +552,14 @@ async def test_a_colocated_worker_decodes_large_images_off_the_loop_that_streams
     from epdq.worker import pd as pd_mod
     from epdq.worker.pd import PDWorker
 
-    threads: list[int] = []
-    real = pd_mod.decode_image
-
-    def recording(data, **kw):
-        threads.append(threading.get_ident())
-        return real(data, **kw)
-
-    monkeypatch.setattr(pd_mod, "decode_image", recording)
+    threads = _decode_threads(monkeypatch, pd_mod)
     worker = PDWorker(NoopPDEngine(), worker_id="both-test", node="n", colocated=True, max_image_bytes=1 << 22,
                       max_image_pixels=1 << 22)  # fmt: skip
     sent: list = []
     worker.link = type("Link", (), {"send": lambda self, m, payload=(), copy=True: sent.append(m)})()
     parts = [P.Part("image"), P.Part("text", "what is it")]
     small, big = demo_image(1, (64, 64)), demo_image(2, (512, 512))
-    assert pd_mod.header_pixels(big) > pd_mod.DECODE_INLINE_PIXELS >= pd_mod.header_pixels(small)
+    assert media.header_pixels(big) > media.DECODE_INLINE_PIXELS >= media.header_pixels(small)
     try:
         for rid, image in (("small", small), ("big", big)):
             msg = P.Prefill(rid, [P.ChatMessage("user", parts)], P.Sampling(max_tokens=3), 30.0, [], 1)
