@@ -1,6 +1,9 @@
 """Control-plane benchmark: epdq's broker + workers with no-op engines against an HTTP proxy.
 
-Both systems get the same requests, side by side in one run, phases alternating:
+Both systems get the same requests, side by side in one run: each cell (workload, concurrency)
+is measured in rounds (`--rounds`, default 4), its systems taking turns in each round on the
+same images, and a round's ratio compares runs seconds apart. Figures pool the rounds; the
+ratio table also shows the spread of the per-round ratios.
 
 - **epdq**: a real cluster (broker, one encoder, one PD worker as processes, no-op engines: the
   real worker, ring and broker code, no model) driven by one `AsyncClient`. Workloads: `miss`
@@ -32,6 +35,7 @@ import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,8 @@ HTTP_VLLM = "http-vllm"
 HTTP_KEEPALIVE = "http-keepalive"
 # epdq workload -> the HTTP workload that carries the same request
 BASELINE_WORKLOAD = {"miss": "image", "hit": "image", "text": "text"}
+DEFAULT_ROUNDS = 4
+MAX_ROUNDS = 1000
 
 
 class _Images:
@@ -87,7 +93,7 @@ class _Images:
 
 async def _drive(
     send: Callable[[int], Awaitable[None]], count: int, concurrency: int, progress: Progress | None
-) -> dict[str, Any]:
+) -> _Run:
     """`count` calls of send(i) with `concurrency` in flight; latencies and throughput."""
     lat: list[float] = []
     errors: list[str] = []
@@ -108,9 +114,36 @@ async def _drive(
 
     t0 = perf()
     await asyncio.gather(*(lane() for _ in range(concurrency)))
-    wall = perf() - t0
+    return _Run(count, perf() - t0, lat, errors)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One system's requests in one round of a cell: what `_summary` pools over the rounds."""
+
+    requests: int
+    wall_s: float
+    lat: list[float]
+    errors: list[str]
+    cpu_s: dict[str, float | None] = field(default_factory=dict)  # CPU seconds per role in the round
+
+    @property
+    def rps(self) -> float:
+        return len(self.lat) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+def _summary(runs: list[_Run]) -> dict[str, Any]:
+    """One system's figures for a cell: its rounds pooled (requests, wall time, every latency and
+    CPU second), and each round's throughput on its own."""
+    lat = [x for r in runs for x in r.lat]
+    errors = [e for r in runs for e in r.errors]
+    wall = sum(r.wall_s for r in runs)
+    cpu_s: dict[str, float | None] = {}
+    for r in runs:
+        for role, v in r.cpu_s.items():
+            cpu_s[role] = None if v is None or cpu_s.get(role, 0.0) is None else cpu_s.get(role, 0.0) + v
     return {
-        "requests": count,
+        "requests": sum(r.requests for r in runs),
         "ok": len(lat),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:5],
@@ -120,6 +153,9 @@ async def _drive(
         "p90_ms": percentile(lat, 90) * 1e3,
         "p99_ms": percentile(lat, 99) * 1e3,
         "mean_ms": (sum(lat) / len(lat) * 1e3) if lat else float("nan"),
+        "rounds": len(runs),
+        "round_rps": [r.rps for r in runs],
+        "cpu_us_per_request": _cpu_per_request_us(dict.fromkeys(cpu_s, 0.0), cpu_s, len(lat)),
     }
 
 
@@ -173,7 +209,7 @@ class _EpdqSystem:
         self.client = self.cluster.client()
         await self.client.connect()
 
-    async def phase(self, workload: str, images: list[bytes], hit: bytes, n: int, conc: int, prog) -> dict:
+    async def phase(self, workload: str, images: list[bytes], hit: bytes, n: int, conc: int, prog) -> _Run:
         c = self.client
         assert c is not None
 
@@ -228,7 +264,7 @@ class _HttpSystem:
 
     async def phase(
         self, keepalive: bool, workload: str, images: list[bytes], n: int, conc: int, prog
-    ) -> dict:
+    ) -> _Run:
         s = self.session
         assert s is not None
         url = self.baseline.proxy_url(keepalive)
@@ -276,25 +312,31 @@ def run(
     progress: Progress | bool | None = None,
     http: bool = True,
     warmup: int | None = None,
+    rounds: int | None = None,
 ) -> dict:
     """Run the benchmark, print the tables, write control.json (and control.png). Returns the data.
 
     `progress`: None shows a bar when stderr is a terminal, True always, False never (or pass a
     `Progress`). `warmup`: requests per system and workload before measuring (default
-    max(20, requests // 10))."""
+    max(20, requests // 10)). `rounds`: each cell's requests are measured in this many rounds, its
+    systems taking turns in each (default min(4, requests)): the machine's speed drifts within a
+    run, and a drift between two long phases would be taken for a difference between systems."""
     conc = [int(c) for c in concurrency]
-    _check_args(conc, requests, warmup)
+    _check_args(conc, requests, warmup, rounds)
     warm = max(20, requests // 10) if warmup is None else int(warmup)
-    return _run_loop(_main(conc, requests, warm, Path(out_dir), plot, progress, http))
+    rounds = min(DEFAULT_ROUNDS, requests) if rounds is None else int(rounds)
+    return _run_loop(_main(conc, requests, warm, rounds, Path(out_dir), plot, progress, http))
 
 
-def _check_args(conc: list[int], requests: int, warmup: int | None) -> None:
+def _check_args(conc: list[int], requests: int, warmup: int | None, rounds: int | None = None) -> None:
     if not conc or min(conc) < 1 or max(conc) > MAX_CONCURRENCY:
         raise ValueError(f"concurrency values must be 1..{MAX_CONCURRENCY}, not {conc}")
     if not 1 <= requests <= MAX_REQUESTS:
         raise ValueError(f"requests must be >= 1 and at most {MAX_REQUESTS:,} per phase, not {requests}")
     if warmup is not None and not 0 <= warmup <= MAX_REQUESTS:
         raise ValueError(f"warmup must be >= 0 and at most {MAX_REQUESTS:,}, not {warmup}")
+    if rounds is not None and (type(rounds) is not int or not 1 <= rounds <= min(requests, MAX_ROUNDS)):
+        raise ValueError(f"rounds must be 1..{MAX_ROUNDS:,} and at most the requests per phase ({requests:,}), not {rounds}")
     warm = max(20, requests // 10) if warmup is None else warmup
     n = warm + requests * len(conc)
     if n > MAX_IMAGES:
@@ -312,22 +354,37 @@ def _run_loop(coro):
         return r.run(coro)
 
 
-def _phases(conc: list[int], http: bool) -> list[tuple[str, str, int]]:
-    """(system, workload, concurrency) in measuring order: systems alternate within each cell."""
+def _cells(conc: list[int], http: bool) -> list[tuple[int, list[tuple[str, str]]]]:
+    """(concurrency, [(system, workload), ...]) in measuring order: each cell's systems carry
+    the same requests and are compared with each other."""
     out = []
     for c in conc:
         for wl in ("miss", "hit", "text"):
-            out.append((EPDQ, wl, c))
+            systems = [(EPDQ, wl)]
             if http and wl != "hit":
                 hw = BASELINE_WORKLOAD[wl]
-                out.extend([(HTTP_VLLM, hw, c), (HTTP_KEEPALIVE, hw, c)])
+                systems += [(HTTP_VLLM, hw), (HTTP_KEEPALIVE, hw)]
+            out.append((c, systems))
     return out
 
 
-async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> dict:
-    phases = _phases(conc, http)
+def _split(n: int, rounds: int) -> list[int]:
+    """`n` requests in `rounds` rounds as equal as they come (the first ones take the rest)."""
+    q, r = divmod(n, rounds)
+    return [q + (i < r) for i in range(rounds)]
+
+
+def _turns(systems: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
+    """Round `k`'s order: each system goes first in turn, so none always runs on the heels of
+    the same neighbour (or always first, on caches the previous cell left)."""
+    k %= len(systems)
+    return systems[k:] + systems[:k]
+
+
+async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, http) -> dict:
+    n_phases = sum(len(systems) for _, systems in _cells(conc, http))
     n_warm_phases = 3 + (4 if http else 0)  # epdq miss/hit/text, 2 variants x image/text
-    total = len(phases) * requests + n_warm_phases * warm
+    total = n_phases * requests + n_warm_phases * warm
     if isinstance(progress, Progress):
         prog: Progress | None = progress
     elif progress is False:
@@ -358,16 +415,28 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
                     for wl in ("image", "text"):
                         await hp.phase(ka, wl, miss_warm, warm, top, prog)
             before = await ep.stats()
-            for system, wl, c in phases:
-                pids = ep.pids() if system == EPDQ else hp.pids()  # type: ignore[union-attr]
-                cpu0 = _cpu_snapshot(pids)
-                if system == EPDQ:
-                    r = await ep.phase(wl, miss_by_conc[c], images.hit, requests, c, prog)
-                else:
-                    assert hp is not None
-                    r = await hp.phase(system == HTTP_KEEPALIVE, wl, miss_by_conc[c], requests, c, prog)
-                cpu = _cpu_per_request_us(cpu0, _cpu_snapshot(pids), r["ok"])
-                results.append({"system": system, "workload": wl, "concurrency": c, **r, "cpu_us_per_request": cpu})
+            for c, systems in _cells(conc, http):
+                runs: dict[tuple[str, str], list[_Run]] = {s: [] for s in systems}
+                start = 0
+                for k, m in enumerate(_split(requests, rounds)):
+                    # every system of the round gets the same images (epdq's misses: fresh ones)
+                    imgs, start = miss_by_conc[c][start : start + m], start + m
+                    for system, wl in _turns(systems, k):
+                        pids = ep.pids() if system == EPDQ else hp.pids()  # type: ignore[union-attr]
+                        cpu0 = _cpu_snapshot(pids)
+                        if system == EPDQ:
+                            run_ = await ep.phase(wl, imgs, images.hit, m, c, prog)
+                        else:
+                            assert hp is not None
+                            run_ = await hp.phase(system == HTTP_KEEPALIVE, wl, imgs, m, c, prog)
+                        cpu1 = _cpu_snapshot(pids)
+                        run_.cpu_s = {
+                            role: None if t0 is None or cpu1.get(role) is None else cpu1[role] - t0  # type: ignore[operator]
+                            for role, t0 in cpu0.items()
+                        }
+                        runs[(system, wl)].append(run_)
+                for system, wl in systems:
+                    results.append({"system": system, "workload": wl, "concurrency": c, **_summary(runs[(system, wl)])})
             after = await ep.stats()
             info["epdq_broker_counters"] = _delta(before.get("counters", {}), after.get("counters", {}))
         finally:
@@ -395,9 +464,11 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
               f"/proc counts in {1e3 / os.sysconf('SC_CLK_TCK'):g} ms ticks; use --requests 2000 or more)")  # fmt: skip
     if ratios:
         print(table(
-            ["epdq workload", "vs", "concurrency", "throughput ×", "p50 ratio", "p99 ratio", "≥5× thr", "≤⅓ p50", "≤⅓ p99"],
+            ["epdq workload", "vs", "concurrency", "throughput ×", "rounds: min–max ×", "p50 ratio", "p99 ratio",
+             "≥5× thr", "≤⅓ p50", "≤⅓ p99"],
             [[x["workload"], f"{x['baseline']}/{x['baseline_workload']}", x["concurrency"], x["throughput_x"],
-              x["p50_ratio"], x["p99_ratio"], _pf(x["throughput_pass"]), _pf(x["p50_pass"]), _pf(x["p99_pass"])]
+              _spread(x["throughput_x_rounds"]), x["p50_ratio"], x["p99_ratio"], _pf(x["throughput_pass"]),
+              _pf(x["p50_pass"]), _pf(x["p99_pass"])]
              for x in ratios],
             title="epdq vs the HTTP proxy (same run; ratios < 1 are epdq faster)",
         ))  # fmt: skip
@@ -406,7 +477,7 @@ async def _main(conc, requests, warm, out_dir: Path, plot, progress, http) -> di
 
     data = {
         "config": {
-            "concurrency": conc, "requests": requests, "warmup": warm, "image": f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG",
+            "concurrency": conc, "requests": requests, "warmup": warm, "rounds": rounds, "image": f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG",
             "image_bytes_mean": sum(map(len, images.items)) / max(1, len(images.items)), "max_tokens": 1,
             "http": http, "epdq": "broker + 1 encoder + 1 PD worker (processes, no-op engines), ipc, one AsyncClient",
             "http_baseline": "uvicorn: no-op encoder, no-op PD, FastAPI+aiohttp proxy (3 processes); aiohttp client",
@@ -444,6 +515,11 @@ def _delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], (int, float))}
 
 
+def _spread(xs: list[float]) -> str:
+    good = [x for x in xs if x == x]
+    return f"{min(good):.2f}–{max(good):.2f} ({len(xs)})" if good else "n/a"
+
+
 def _pf(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
@@ -459,11 +535,14 @@ def _ratios(results: list[dict]) -> list[dict]:
             if b is None:
                 continue
             thr = r["rps"] / b["rps"] if b["rps"] else float("nan")
+            # round k of both ran on the same images, next to each other
+            per_round = [e / x if x else float("nan") for e, x in zip(r["round_rps"], b["round_rps"], strict=True)]
             p50 = r["p50_ms"] / b["p50_ms"] if b["p50_ms"] else float("nan")
             p99 = r["p99_ms"] / b["p99_ms"] if b["p99_ms"] else float("nan")
             out.append({
                 "workload": r["workload"], "baseline": base, "baseline_workload": b["workload"],
-                "concurrency": r["concurrency"], "throughput_x": thr, "p50_ratio": p50, "p99_ratio": p99,
+                "concurrency": r["concurrency"], "throughput_x": thr, "throughput_x_rounds": per_round,
+                "p50_ratio": p50, "p99_ratio": p99,
                 "throughput_pass": _ok(thr >= TARGET_THROUGHPUT_X, thr),
                 "p50_pass": _ok(p50 <= TARGET_LATENCY_RATIO, p50), "p99_pass": _ok(p99 <= TARGET_LATENCY_RATIO, p99),
             })  # fmt: skip
@@ -541,6 +620,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
                     f"at most {MAX_IMAGES:,})")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None,
                     help="warm-up requests per system and workload (default max(20, requests / 10))")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help=f"rounds per phase, the systems taking turns in each (default min({DEFAULT_ROUNDS}, requests))")
 
     ap.add_argument(
         "--out", "--out-dir", dest="out", default="bench-results", help="directory for control.json and control.png"
@@ -552,12 +633,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
     # a level given twice would run its "miss" phase on the images of the first: all cache hits
     a.concurrency = list(dict.fromkeys(a.concurrency))
     try:
-        _check_args(a.concurrency, a.requests, a.warmup)
+        _check_args(a.concurrency, a.requests, a.warmup, a.rounds)
         check_out_dir(a.out)
     except ValueError as e:
         ap.error(str(e))
     run(concurrency=a.concurrency, requests=a.requests, out_dir=a.out, plot=not a.no_plot,
-        progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup)  # fmt: skip
+        progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup, rounds=a.rounds)  # fmt: skip
     return 0
 
 

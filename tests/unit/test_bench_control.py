@@ -31,8 +31,11 @@ def test_control_benchmark_small(tmp_path, capsys):
         for system in ("http-vllm", "http-keepalive"):
             for wl in ("image", "text"):
                 assert (system, wl, c) in cells
+    assert saved["config"]["rounds"] == 4
     for r in saved["results"]:
         assert r["requests"] == 50 and r["ok"] == 50 and r["errors"] == 0, r
+        # 50 requests in 4 rounds (13 + 13 + 12 + 12), each round's throughput on its own
+        assert r["rounds"] == 4 and len(r["round_rps"]) == 4 and all(x > 0 for x in r["round_rps"]), r
         assert r["rps"] > 0 and r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"]
         # every process of the system is accounted (CPU times tick at 10 ms: no values asserted)
         roles = {"broker", "encoder", "pd"} if r["system"] == "epdq" else {"proxy", "encoder", "pd"}
@@ -41,6 +44,12 @@ def test_control_benchmark_small(tmp_path, capsys):
         assert all(v >= 0 for v in cpu.values()) and cpu["total"] == pytest.approx(sum(cpu[k] for k in roles | {"client"}))
     assert "CPU per request" in out
     assert len(saved["ratios"]) == 2 * 3 * 2  # 2 concurrencies x 3 epdq workloads x 2 baselines
+    by = {(r["system"], r["workload"], r["concurrency"]): r for r in saved["results"]}
+    for x in saved["ratios"]:
+        mine = by[("epdq", x["workload"], x["concurrency"])]["round_rps"]
+        theirs = by[(x["baseline"], x["baseline_workload"], x["concurrency"])]["round_rps"]
+        assert x["throughput_x_rounds"] == pytest.approx([m / t for m, t in zip(mine, theirs)])
+    assert "rounds: min–max ×" in out
     assert saved["targets"] and data["results"] == saved["results"]
     # hits really skipped the encoder: the broker encoded only the fresh images (warm-up included)
     counters = saved["epdq_broker_counters"]
@@ -93,3 +102,28 @@ def test_making_the_images_yields_to_the_event_loop(monkeypatch):
     made.clear()
     images = asyncio.run(control._Images.make(control.IMAGE_CHUNK + 3))
     assert len(set(images.items)) == control.IMAGE_CHUNK + 3 and images.hit not in images.items
+
+
+def test_rounds_split_the_requests_and_rotate_the_systems():
+    assert control._split(50, 4) == [13, 13, 12, 12]
+    assert control._split(8000, 4) == [2000] * 4
+    assert control._split(3, 3) == [1, 1, 1]
+    systems = [("epdq", "miss"), ("http-vllm", "image"), ("http-keepalive", "image")]
+    firsts = [control._turns(systems, k)[0] for k in range(3)]
+    assert firsts == systems  # each goes first once in three rounds
+    assert all(sorted(control._turns(systems, k)) == sorted(systems) for k in range(7))
+    cells = control._cells([1, 32], http=True)
+    assert [(c, [s for s, _ in systems]) for c, systems in cells][:3] == [
+        (1, ["epdq", "http-vllm", "http-keepalive"]), (1, ["epdq"]), (1, ["epdq", "http-vllm", "http-keepalive"])
+    ]
+    assert all(len(systems) == 1 for _, systems in control._cells([1], http=False))
+
+
+@pytest.mark.parametrize("rounds", [0, -1, 6, 1001])
+def test_bad_rounds_are_refused_before_anything_runs(tmp_path, rounds, capsys):
+    with pytest.raises(ValueError, match="rounds must be"):
+        control.run(concurrency=(1,), requests=5, rounds=rounds, out_dir=tmp_path, progress=False)
+    with pytest.raises(SystemExit) as e:
+        control.main(["--requests", "5", "--rounds", str(rounds), "--out", str(tmp_path)])
+    assert e.value.code == 2 and "rounds must be" in capsys.readouterr().err
+    assert not (tmp_path / "control.json").exists()
