@@ -91,6 +91,21 @@ class _Images:
         return out
 
 
+@dataclass(slots=True)
+class _Run:
+    """One system's requests in one round of a cell: what `_summary` pools over the rounds."""
+
+    requests: int
+    wall_s: float
+    lat: list[float]
+    errors: list[str]
+    cpu_s: dict[str, float | None] = field(default_factory=dict)  # CPU seconds per role in the round
+
+    @property
+    def rps(self) -> float:
+        return len(self.lat) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
 async def _drive(
     send: Callable[[int], Awaitable[None]], count: int, concurrency: int, progress: Progress | None
 ) -> _Run:
@@ -117,31 +132,17 @@ async def _drive(
     return _Run(count, perf() - t0, lat, errors)
 
 
-@dataclass(slots=True)
-class _Run:
-    """One system's requests in one round of a cell: what `_summary` pools over the rounds."""
-
-    requests: int
-    wall_s: float
-    lat: list[float]
-    errors: list[str]
-    cpu_s: dict[str, float | None] = field(default_factory=dict)  # CPU seconds per role in the round
-
-    @property
-    def rps(self) -> float:
-        return len(self.lat) / self.wall_s if self.wall_s > 0 else float("nan")
-
-
 def _summary(runs: list[_Run]) -> dict[str, Any]:
     """One system's figures for a cell: its rounds pooled (requests, wall time, every latency and
     CPU second), and each round's throughput on its own."""
     lat = [x for r in runs for x in r.lat]
     errors = [e for r in runs for e in r.errors]
     wall = sum(r.wall_s for r in runs)
-    cpu_s: dict[str, float | None] = {}
+    cpu_s: dict[str, float | None] = {}  # a role unknown in any round is unknown for the cell
     for r in runs:
         for role, v in r.cpu_s.items():
-            cpu_s[role] = None if v is None or cpu_s.get(role, 0.0) is None else cpu_s.get(role, 0.0) + v
+            prev = cpu_s.get(role, 0.0)
+            cpu_s[role] = None if v is None or prev is None else prev + v
     return {
         "requests": sum(r.requests for r in runs),
         "ok": len(lat),

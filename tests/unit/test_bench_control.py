@@ -48,7 +48,7 @@ def test_control_benchmark_small(tmp_path, capsys):
     for x in saved["ratios"]:
         mine = by[("epdq", x["workload"], x["concurrency"])]["round_rps"]
         theirs = by[(x["baseline"], x["baseline_workload"], x["concurrency"])]["round_rps"]
-        assert x["throughput_x_rounds"] == pytest.approx([m / t for m, t in zip(mine, theirs)])
+        assert x["throughput_x_rounds"] == pytest.approx([m / t for m, t in zip(mine, theirs, strict=True)])
     assert "rounds: min–max ×" in out
     assert saved["targets"] and data["results"] == saved["results"]
     # hits really skipped the encoder: the broker encoded only the fresh images (warm-up included)
