@@ -12,11 +12,18 @@ key: HANDSHAKE_FAILED_NO_DETAIL (EPIPE: the broker hung up), reconnecting every 
 and plaintext broker, or the other way round: HANDSHAKE_FAILED_PROTOCOL with ZMTP_MECHANISM_MISMATCH,
 and it does not reconnect. That last one is a race, though: when the broker hangs up before the
 client has read its greeting, the client sees the same NO_DETAIL as for a wrong key, reconnects, and
-reports the mismatch only on a later try. So a NO_DETAIL sentence names both causes.
+reports the mismatch only on a later try. So a NO_DETAIL sentence names both causes, and the
+watch then asks the broker itself (`broker_mechanism`: one plain tcp connection that reads the
+mechanism its ZMTP greeting announces). A plaintext broker is then said at once; a CURVE broker
+leaves the wrong broker key as the cause. Seen from a busy client, the mismatch often came only
+after dozens of those retries (0.2 to over 5 s here), so it was told after the caller's timeout,
+or as a silence.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -46,10 +53,52 @@ FAILED = (
     "probably not the broker's (broker.key must come from the broker's keys directory), or the broker "
     "does not use CURVE (it runs with --insecure)"
 )
+WRONG_BROKER_KEY = (
+    "the CURVE handshake with the broker failed: the broker uses CURVE but hung up on this {who}'s "
+    "handshake, so the broker's public key this {who} holds is probably not the broker's (broker.key "
+    "must come from the broker's keys directory)"
+)
 BROKER_PLAINTEXT = (
     "the broker does not use CURVE (it runs with --insecure, in plaintext) while this {who} does: "
     "give this {who} --insecure too (loopback only), or start the broker with the cluster's keys (--keys-dir)"
 )
+
+
+# The start of a ZMTP 3 greeting (rfc.zeromq.org/spec/23): the signature and the major version.
+# libzmq answers it with its whole greeting (64 bytes: signature, version, mechanism, as-server,
+# filler), then waits for the rest of ours. Sending ours whole would not do: a peer that reads a
+# mechanism other than its own drops the connection before the rest of its greeting has left.
+_GREETING_START = b"\xff" + bytes(8) + b"\x7f" + b"\x03"
+_MECHANISMS = frozenset({"NULL", "PLAIN", "CURVE", "GSSAPI"})
+PROBE_TIMEOUT_S = 2.0
+
+
+async def broker_mechanism(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """The security mechanism ("NULL", "CURVE", ...) that the ZeroMQ peer listening on the tcp
+    `endpoint` announces in its greeting; None when that cannot be told (not tcp, no answer within
+    `timeout_s`, not ZMTP 3, or a mechanism this code does not know: whatever answers is untrusted)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_GREETING_START)
+            await writer.drain()
+            greeting = await reader.readexactly(64)
+    except (OSError, ValueError, EOFError, TimeoutError):  # IncompleteReadError is an EOFError
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    if greeting[0] != 0xFF or greeting[9] != 0x7F or greeting[10] < 3:
+        return None
+    mechanism = greeting[12:32].rstrip(b"\x00").decode("ascii", "replace")
+    return mechanism if mechanism in _MECHANISMS else None
 
 
 def is_curve_client(sock: zmq.Socket) -> bool:
@@ -67,6 +116,9 @@ class HandshakeWatch:
         # key, or it does not use CURVE
         self.refused = False
         self._on_refused = on_refused
+        self._probe: asyncio.Task | None = None  # broker_mechanism, asked once per socket
+        self._mechanism: str | None = None  # what the broker's greeting announced, once asked
+        self._closed = False
         addr = f"inproc://epdq-handshake-{next(_ids)}-{id(self):x}"
         sock.monitor(addr, _EVENTS)
         pair = sock.context.socket(zmq.PAIR)
@@ -80,29 +132,59 @@ class HandshakeWatch:
         event = msg["event"]
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.problem, self.refused = "", False
+            # a later failure is news (a broker restarted with other settings): ask again then
+            self._mechanism = None
+            if self._probe is not None and self._probe.done():
+                self._probe = None
             return
         mismatch = (
             event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             and msg["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
         )
         if mismatch:
-            problem = BROKER_PLAINTEXT.format(who=self.who)
+            self._report(BROKER_PLAINTEXT.format(who=self.who), refused=True)
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            problem = REFUSED.format(who=self.who)
+            self._report(REFUSED.format(who=self.who), refused=True)
+        elif self._mechanism is not None:  # ZeroMQ retries; what the broker said stands
+            self._from_mechanism()
         else:
-            problem = FAILED.format(who=self.who)
-        self.refused = mismatch or event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            self._report(FAILED.format(who=self.who), refused=False)
+            if self._probe is None:
+                endpoint = msg.get("endpoint", b"")
+                endpoint = endpoint.decode("utf-8", "replace") if isinstance(endpoint, bytes) else str(endpoint)
+                self._probe = asyncio.get_running_loop().create_task(self._ask_broker(endpoint))
+
+    async def _ask_broker(self, endpoint: str) -> None:
+        mechanism = await broker_mechanism(endpoint)
+        if mechanism not in ("NULL", "CURVE") or self._closed or self.refused or not self.problem:
+            return  # nothing to tell, or closed, or ZeroMQ has said meanwhile
+        self._mechanism = mechanism
+        self._from_mechanism()
+
+    def _from_mechanism(self) -> None:
+        if self._mechanism == "NULL":
+            self._report(BROKER_PLAINTEXT.format(who=self.who), refused=True)
+        else:  # a CURVE broker hung up on our handshake
+            self._report(WRONG_BROKER_KEY.format(who=self.who), refused=False)
+
+    def _report(self, problem: str, *, refused: bool) -> None:
+        # ZeroMQ goes on retrying after the broker said it is plaintext: one refusal per socket
+        new = problem != self.problem or refused != self.refused
+        self.refused = refused
         if problem != self.problem:
             # a refusal handed to on_refused reaches the caller as an error: logged again, it printed
             # twice on a CLI client's terminal
             told = self.refused and self._on_refused is not None
             log.log(logging.INFO if told else logging.ERROR, "%s", problem, extra={"event": "curve_handshake_failed"})
         self.problem = problem
-        if self.refused and self._on_refused is not None:
+        if refused and new and self._on_refused is not None:
             self._on_refused(problem)
 
     def close(self) -> None:
         """Close the monitor's end (after, or instead of, closing the watched socket)."""
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()  # its connection closes as it unwinds
         self._channel.close()
 
 

@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from epdq import AsyncClient, BrokerUnavailableError, ConfigError
 from epdq.demo import demo_image
-from epdq.handshake import HandshakeWatch, watch_client
+from epdq.handshake import HandshakeWatch, broker_mechanism, watch_client
 from epdq.keys import ensure_cluster_keys, security_for
 from epdq.security import apply_client, authenticator_for, load_keypair
 from epdq.transport import make_socket
@@ -136,9 +136,9 @@ async def test_client_against_the_other_mechanism_fails_at_once_as_config(tmp_pa
                     assert time.monotonic() < end, "the broker did not come up"
         async with AsyncClient(addr, keys_dir=str(keys)) as c:
             t0 = time.monotonic()
-            # ZeroMQ reports the mechanism mismatch (ConfigError, at once: before the 5 s of silence,
-            # though it may retry once or twice first) or, in about one run of ten, only a handshake
-            # failed without detail first (then the silence ends it, naming the plaintext broker too)
+            # at once: ZeroMQ reports the mechanism mismatch, or (more often from a busy client: it
+            # used to take 0.2 to over 5 s of reconnects) a hang-up, and the watch asks the broker;
+            # only if that fails too does the silence end it, naming the plaintext broker as well
             with pytest.raises((ConfigError, BrokerUnavailableError), match="does not use CURVE .*--insecure") as e:
                 await c.stats(timeout=5.0)
             assert e.type is BrokerUnavailableError or time.monotonic() - t0 < 4.5
@@ -177,6 +177,89 @@ async def test_a_hang_up_during_the_handshake_names_both_causes(tmp_path, ctx):
     finally:
         watch.close()
         sock.close(linger=0)
+
+
+async def test_broker_mechanism_reads_what_the_greeting_announces(ctx):
+    plain = ctx.socket(zmq.ROUTER)
+    plain_port = plain.bind_to_random_port("tcp://127.0.0.1")
+    curve = ctx.socket(zmq.ROUTER)
+    pub, sec = zmq.curve_keypair()
+    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
+    curve_port = curve.bind_to_random_port("tcp://127.0.0.1")
+
+    async def answer(reader, writer):  # not ZeroMQ: 64 bytes that are no greeting
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n" + bytes(64))
+        await writer.drain()
+        writer.close()
+
+    async def silent(reader, writer):
+        await asyncio.sleep(5)
+        writer.close()
+
+    other = await asyncio.start_server(answer, "127.0.0.1", 0)
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        assert await broker_mechanism(f"tcp://127.0.0.1:{plain_port}") == "NULL"
+        assert await broker_mechanism(f"tcp://127.0.0.1:{curve_port}") == "CURVE"
+        assert await broker_mechanism(f"tcp://127.0.0.1:{other.sockets[0].getsockname()[1]}") is None
+        t0 = time.monotonic()
+        assert await broker_mechanism(f"tcp://127.0.0.1:{mute.sockets[0].getsockname()[1]}", timeout_s=0.3) is None
+        assert time.monotonic() - t0 < 3
+        assert await broker_mechanism("tcp://127.0.0.1:9") is None  # nothing listens (discard)
+        assert await broker_mechanism("ipc:///tmp/nowhere") is None
+        assert await broker_mechanism("tcp://127.0.0.1:notaport") is None
+    finally:
+        for server in (other, mute):
+            server.close()
+            await server.wait_closed()
+        plain.close(linger=0)
+        curve.close(linger=0)
+
+
+async def test_a_hang_up_is_explained_by_asking_the_broker(tmp_path, ctx, caplog):
+    """ZeroMQ reports a plaintext broker as a hang-up (NO_DETAIL), often dozens of times before
+    the mismatch: the watch asks the broker what it speaks and says so at once, once."""
+    cfg = security_for("client", keys_dir=str(ensure_cluster_keys(tmp_path / "keys")))
+    plain = ctx.socket(zmq.ROUTER)
+    plain_port = plain.bind_to_random_port("tcp://127.0.0.1")
+    curve = ctx.socket(zmq.ROUTER)
+    pub, sec = zmq.curve_keypair()
+    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
+    curve_port = curve.bind_to_random_port("tcp://127.0.0.1")
+    hang_up = struct.pack("=hi", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE)
+    socks, watches = [], []
+    try:
+        for port in (plain_port, curve_port):
+            sock = ctx.socket(zmq.DEALER)  # never connected: only its watch's events are fed in
+            apply_client(sock, cfg.client())
+            refused: list[str] = []
+            watch = watch_client(sock, "client", refused.append)
+            socks.append(sock)
+            watches.append(watch)
+            endpoint = f"tcp://127.0.0.1:{port}".encode()
+            watch._on_event([hang_up, endpoint])
+            assert "does not use CURVE" in watch.problem and not watch.refused  # before the answer
+            await _until(lambda w=watch: "does not use CURVE" not in w.problem or w.refused)
+            for _ in range(3):  # ZeroMQ goes on retrying: what the broker said stands, told once
+                watch._on_event([hang_up, endpoint])
+            if port == plain_port:
+                assert watch.problem.startswith("the broker does not use CURVE") and watch.refused
+                assert refused == [watch.problem]
+            else:
+                assert "the broker uses CURVE" in watch.problem and "broker's public key" in watch.problem
+                assert not watch.refused and refused == []
+        errors = [r for r in caplog.records if r.name == "epdq.handshake" and r.levelno >= logging.ERROR]
+        # each watch's first hang-up, then the CURVE broker's key (the refusal goes to the caller),
+        # not one per retry
+        messages = [r.getMessage() for r in errors]
+        assert len(messages) == 3 and "the broker uses CURVE" in messages[2], messages
+    finally:
+        for watch in watches:
+            watch.close()
+        for sock in socks:
+            sock.close(linger=0)
+        plain.close(linger=0)
+        curve.close(linger=0)
 
 
 # ------------------------------------------------------------------ start-up refusals and a handed-out cluster
