@@ -155,7 +155,11 @@ class HandshakeWatch:
                 self._probe = asyncio.get_running_loop().create_task(self._ask_broker(endpoint))
 
     async def _ask_broker(self, endpoint: str) -> None:
-        mechanism = await broker_mechanism(endpoint)
+        try:
+            mechanism = await broker_mechanism(endpoint)
+        except Exception:  # only a better sentence was at stake: ZeroMQ's reports still come
+            log.debug("could not ask %s for its security mechanism", endpoint, exc_info=True)
+            return
         if mechanism not in ("NULL", "CURVE") or self._closed or self.refused or not self.problem:
             return  # nothing to tell, or closed, or ZeroMQ has said meanwhile
         self._mechanism = mechanism
