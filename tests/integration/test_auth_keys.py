@@ -46,6 +46,20 @@ def ctx():
     c.destroy(linger=0)
 
 
+@pytest.fixture()
+def listeners(ctx):
+    """(port, port) of a plaintext and a CURVE ZeroMQ ROUTER on 127.0.0.1, closed after the test."""
+    plain = ctx.socket(zmq.ROUTER)
+    curve = ctx.socket(zmq.ROUTER)
+    pub, sec = zmq.curve_keypair()
+    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
+    try:
+        yield plain.bind_to_random_port("tcp://127.0.0.1"), curve.bind_to_random_port("tcp://127.0.0.1")
+    finally:
+        plain.close(linger=0)
+        curve.close(linger=0)
+
+
 async def _until(pred, timeout_s: float = 3.0) -> None:
     end = time.monotonic() + timeout_s
     while not pred():
@@ -179,13 +193,8 @@ async def test_a_hang_up_during_the_handshake_names_both_causes(tmp_path, ctx):
         sock.close(linger=0)
 
 
-async def test_broker_mechanism_reads_what_the_greeting_announces(ctx):
-    plain = ctx.socket(zmq.ROUTER)
-    plain_port = plain.bind_to_random_port("tcp://127.0.0.1")
-    curve = ctx.socket(zmq.ROUTER)
-    pub, sec = zmq.curve_keypair()
-    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
-    curve_port = curve.bind_to_random_port("tcp://127.0.0.1")
+async def test_broker_mechanism_reads_what_the_greeting_announces(listeners):
+    plain_port, curve_port = listeners
 
     async def answer(reader, writer):  # not ZeroMQ: 64 bytes that are no greeting
         writer.write(b"HTTP/1.1 400 Bad Request\r\n" + bytes(64))
@@ -212,20 +221,13 @@ async def test_broker_mechanism_reads_what_the_greeting_announces(ctx):
         for server in (other, mute):
             server.close()
             await server.wait_closed()
-        plain.close(linger=0)
-        curve.close(linger=0)
 
 
-async def test_a_hang_up_is_explained_by_asking_the_broker(tmp_path, ctx, caplog):
+async def test_a_hang_up_is_explained_by_asking_the_broker(tmp_path, ctx, listeners, caplog):
     """ZeroMQ reports a plaintext broker as a hang-up (NO_DETAIL), often dozens of times before
     the mismatch: the watch asks the broker what it speaks and says so at once, once."""
     cfg = security_for("client", keys_dir=str(ensure_cluster_keys(tmp_path / "keys")))
-    plain = ctx.socket(zmq.ROUTER)
-    plain_port = plain.bind_to_random_port("tcp://127.0.0.1")
-    curve = ctx.socket(zmq.ROUTER)
-    pub, sec = zmq.curve_keypair()
-    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
-    curve_port = curve.bind_to_random_port("tcp://127.0.0.1")
+    plain_port, curve_port = listeners
     hang_up = struct.pack("=hi", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE)
     socks, watches = [], []
     try:
@@ -258,8 +260,6 @@ async def test_a_hang_up_is_explained_by_asking_the_broker(tmp_path, ctx, caplog
             watch.close()
         for sock in socks:
             sock.close(linger=0)
-        plain.close(linger=0)
-        curve.close(linger=0)
 
 
 # ------------------------------------------------------------------ start-up refusals and a handed-out cluster
