@@ -150,8 +150,7 @@ class HandshakeWatch:
         else:
             self._report(FAILED.format(who=self.who), refused=False)
             if self._probe is None:
-                endpoint = msg.get("endpoint", b"")
-                endpoint = endpoint.decode("utf-8", "replace") if isinstance(endpoint, bytes) else str(endpoint)
+                endpoint = msg["endpoint"].decode("utf-8", "replace")  # parse_monitor_message: bytes
                 self._probe = asyncio.get_running_loop().create_task(self._ask_broker(endpoint))
 
     async def _ask_broker(self, endpoint: str) -> None:

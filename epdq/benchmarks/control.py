@@ -156,7 +156,7 @@ def _summary(runs: list[_Run]) -> dict[str, Any]:
         "mean_ms": (sum(lat) / len(lat) * 1e3) if lat else float("nan"),
         "rounds": len(runs),
         "round_rps": [r.rps for r in runs],
-        "cpu_us_per_request": _cpu_per_request_us(dict.fromkeys(cpu_s, 0.0), cpu_s, len(lat)),
+        "cpu_us_per_request": _cpu_per_request_us(cpu_s, len(lat)),
     }
 
 
@@ -179,12 +179,13 @@ def _cpu_snapshot(pids: dict[str, int]) -> dict[str, float | None]:
     return {role: _cpu_s(pid) for role, pid in pids.items()}
 
 
-def _cpu_per_request_us(a: dict[str, float | None], b: dict[str, float | None], n: int) -> dict[str, float]:
-    out = {}
-    for role, t0 in a.items():
-        t1 = b.get(role)
-        if t0 is not None and t1 is not None and n > 0:
-            out[role] = (t1 - t0) / n * 1e6
+def _cpu_delta(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, float | None]:
+    """CPU seconds each role used between two snapshots (None where either is unknown)."""
+    return {role: None if t0 is None or b.get(role) is None else b[role] - t0 for role, t0 in a.items()}  # type: ignore[operator]
+
+
+def _cpu_per_request_us(cpu_s: dict[str, float | None], n: int) -> dict[str, float]:
+    out = {role: v / n * 1e6 for role, v in cpu_s.items() if v is not None and n > 0}
     if out:
         out["total"] = sum(out.values())
     return out
@@ -430,11 +431,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
                         else:
                             assert hp is not None
                             run_ = await hp.phase(system == HTTP_KEEPALIVE, wl, imgs, m, c, prog)
-                        cpu1 = _cpu_snapshot(pids)
-                        run_.cpu_s = {
-                            role: None if t0 is None or cpu1.get(role) is None else cpu1[role] - t0  # type: ignore[operator]
-                            for role, t0 in cpu0.items()
-                        }
+                        run_.cpu_s = _cpu_delta(cpu0, _cpu_snapshot(pids))
                         runs[(system, wl)].append(run_)
                 for system, wl in systems:
                     results.append({"system": system, "workload": wl, "concurrency": c, **_summary(runs[(system, wl)])})
