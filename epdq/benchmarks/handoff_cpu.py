@@ -205,7 +205,9 @@ class _Writer:
             "reserve": t1 - t0,
             "announce": t2 - t1,
             "fill": t3 - t2,
-            "wake": woke - t2,
+            # from before the note's write: the reader can be up before the writer's write()
+            # returns to it, so woke - t2 may be negative (it was, -0.005 ms, in CI)
+            "wake": woke - t1,
             "faults_w": faults,
             "faults_r": faults_r,
         }
