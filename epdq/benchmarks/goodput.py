@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     ap.add_argument(
         "--real", action="store_true", help="the real tiny model on CPU instead of the cost model"
     )
-    ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps (cost model)")
+    ap.add_argument("--quick", action="store_true", help="short windows and fewer bisection steps (cost model only)")
     ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench-results",
                     help="directory for goodput.json (goodput-real.json with --real) and the plot")  # fmt: skip
     ap.add_argument("--no-plot", action="store_true", help="no plot (an older one in --out is removed)")
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                     f"default {','.join(map(str, DEFAULT_TOPOLOGIES))})")  # fmt: skip
     a = ap.parse_args(argv)
     if a.real:
-        given = [flag for key, flag in COST_ONLY.items() if getattr(a, key) is not None]
+        given = [flag for key, flag in COST_ONLY.items() if getattr(a, key) is not None] + ["--quick"] * a.quick
         if given:
             ap.error(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the cost model only, not --real")
     try:

@@ -54,6 +54,7 @@ BAD_ARGS = [
     # cost-model options the real kind ignored
     ("goodput", ["--real", "--tpot-slack", "2"], "--tpot-slack applies to the cost model only, not --real"),
     ("goodput", ["--real", "--topologies", "none"], "--topologies applies to the cost model only"),
+    ("goodput", ["--real", "--quick"], "--quick applies to the cost model only, not --real"),
     ("goodput", ["--real", "--text-tokens", "5", "--hot-set", "2", "--repeat-fraction", "0.1"],
      "--text-tokens, --repeat-fraction, --hot-set apply to the cost model only"),
     ("scale", ["--workers", "1"], "workers must be 2..1000000"),
