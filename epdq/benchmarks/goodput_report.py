@@ -93,6 +93,11 @@ def _pair(r: dict[str, Any]) -> list[Any]:
     return [_lb(r["epd_goodput"], es), _lb(r["colocated_goodput"], cs), _xb(r["ratio"], es, cs)]
 
 
+def _ratio_label(r: dict[str, Any]) -> str:
+    """A topology row's ratio as the table prints it (with ≥ or ≤ where a side is a bound)."""
+    return _pair(r)[2]
+
+
 def _lb(v: float, saturated: bool) -> float | str:
     """A figure taken at the top of the load grid (every load met the SLOs) is a lower bound."""
     return f"≥ {v:.2f}" if saturated else v
@@ -165,7 +170,7 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
         top.bar([i + 0.2 for i in x], [r["colocated_goodput"] for r in topo], 0.4, color="C1",
                 label="N+1 colocated")  # fmt: skip
         for i, r in zip(x, topo, strict=True):
-            top.annotate(_x(r['ratio']), (i, max(r["epd_goodput"], r["colocated_goodput"])),
+            top.annotate(_ratio_label(r), (i, max(r["epd_goodput"], r["colocated_goodput"])),
                          ha="center", va="bottom", fontsize=9)  # fmt: skip
         top.set_xticks(list(x), [f"N={r['n_pd']}" for r in topo])
         top.set_ylim(0, 1.12 * max(max(r["epd_goodput"], r["colocated_goodput"]) for r in topo) or 1)

@@ -116,6 +116,27 @@ def test_bounded_ratio_text():
     assert bounded_ratio(2.0, True, True).startswith("unknown")
 
 
+def test_the_topology_plot_marks_its_bounds_as_the_table_does():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from epdq.benchmarks import goodput_report
+
+    rows = [  # one exact ratio, one over a colocated side that met the SLOs at every load tried
+        {"n_pd": 2, "epd_goodput": 6.0, "colocated_goodput": 2.0, "ratio": 3.0},
+        {"n_pd": 3, "epd_goodput": 6.0, "colocated_goodput": 4.0, "ratio": 1.5, "colocated_saturated_grid": True},
+    ]
+    fig, (top, bottom) = plt.subplots(2)
+    try:
+        goodput_report._plot_ratios(top, bottom, {"topology": rows}, "4 images")
+        assert [t.get_text() for t in top.texts] == ["3.00x", "≤ 1.50x"]
+    finally:
+        plt.close(fig)
+
+
 def test_print_real_marks_a_saturated_route(capsys):
     from epdq.benchmarks.goodput_real import print_real
 
