@@ -105,3 +105,15 @@ def test_a_child_that_cannot_allocate_is_one_line_not_a_traceback(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("epdq bench handoff: error: the hand-off benchmark's writer could not allocate memory")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_size_that_is_not_whole_rows_says_what_is_moved():
+    sizes = [0.001, 0.02, 1.0, 8.0]
+    rows, _, _ = handoff._sizes(sizes, "bfloat16", 256, 256)
+    assert rows[:2] == [1, 3]
+    # 1 and 8 MiB are within 2 % of whole rows: no note for them
+    assert handoff.size_notes(sizes, rows, "bfloat16") == [
+        "(0.001 MiB is moved as 1 row of 3584 bfloat16: 7 KiB)",
+        "(0.02 MiB is moved as 3 rows of 3584 bfloat16: 21 KiB)",
+    ]
+    assert handoff.size_notes([0.001], [1], "float32") == ["(0.001 MiB is moved as 1 row of 3584 float32: 14 KiB)"]
