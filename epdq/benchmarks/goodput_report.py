@@ -89,13 +89,13 @@ def _row_sat(r: dict[str, Any]) -> bool:
 
 def _pair(r: dict[str, Any]) -> list[Any]:
     """EPD goodput, colocated goodput and their ratio, marked where the load grid topped out."""
-    es, cs = bool(r.get("epd_saturated_grid")), bool(r.get("colocated_saturated_grid"))
-    return [_lb(r["epd_goodput"], es), _lb(r["colocated_goodput"], cs), _xb(r["ratio"], es, cs)]
+    return [_lb(r["epd_goodput"], bool(r.get("epd_saturated_grid"))),
+            _lb(r["colocated_goodput"], bool(r.get("colocated_saturated_grid"))), _ratio_label(r)]  # fmt: skip
 
 
 def _ratio_label(r: dict[str, Any]) -> str:
     """A topology row's ratio as the table prints it (with ≥ or ≤ where a side is a bound)."""
-    return _pair(r)[2]
+    return _xb(r["ratio"], bool(r.get("epd_saturated_grid")), bool(r.get("colocated_saturated_grid")))
 
 
 def _lb(v: float, saturated: bool) -> float | str:

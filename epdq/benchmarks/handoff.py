@@ -67,6 +67,7 @@ from epdq.benchmarks.handoff_common import (
     HandoffResourceError,
     _align,
     _run_children,
+    row_bytes,
 )
 from epdq.benchmarks.handoff_gpu import _cuda_available, render_cuda, run_cuda
 from epdq.benchmarks.handoff_report import render, summarise
@@ -148,7 +149,7 @@ def size_notes(sizes: list[float], rows: list[int], dtype: str) -> list[str]:
     an embedding is whole rows (0.001 MiB is one row, 7 KiB in bfloat16)."""
     notes = []
     for size, n in zip(sizes, rows, strict=True):
-        moved = n * HIDDEN * (4 if dtype == "float32" else 2)
+        moved = n * row_bytes(dtype)
         if abs(moved - size * MIB) > 0.02 * size * MIB:
             notes.append(f"({size:g} MiB is moved as {n:,} row{'s' * (n != 1)} of {HIDDEN} {dtype}: {_bytes(moved)})")
     return notes
@@ -160,9 +161,8 @@ def _bytes(n: int) -> str:
 
 def _sizes(sizes: list[float], dtype: str, pool_mib: int, ring_mib: int) -> tuple[list[int], int, int]:
     """(rows per size, pool bytes, ring bytes) as the children allocate them."""
-    itemsize = 4 if dtype == "float32" else 2
-    rows = [max(1, round(s * MIB / (HIDDEN * itemsize))) for s in sizes]
-    biggest = max(rows) * HIDDEN * itemsize
+    rows = [max(1, round(s * MIB / row_bytes(dtype))) for s in sizes]
+    biggest = max(rows) * row_bytes(dtype)
     # pools and the ring hold at least 4 of the biggest entries, so every transfer moves cold bytes
     return rows, max(pool_mib * MIB, 4 * _align(biggest)), max(ring_mib * MIB, 4 * (_align(biggest) + 4096))
 

@@ -31,6 +31,11 @@ from epdq.cluster import die_with_parent
 
 HIDDEN = 3584  # Qwen2.5-VL-7B hidden size
 MIB = 1 << 20
+
+
+def row_bytes(dtype: str) -> int:
+    """Bytes of one embedding row ([1, HIDDEN]) in the dtypes the benchmark takes."""
+    return HIDDEN * (4 if dtype == "float32" else 2)
 SHM_ROOT = "/dev/shm"
 RING_TARGET = 1.3  # ring p50 at most this many times one memcpy
 SAFETENSORS_TARGET = 5.0  # ring at least this many times faster than the safetensors path

@@ -33,6 +33,7 @@ from epdq.benchmarks.handoff_common import (
     _read_setup,
     _run_children,
     _write_frame,
+    row_bytes,
 )
 from epdq.benchmarks.handoff_report import _size_label
 from epdq.benchmarks.report import Progress, percentile, table
@@ -74,7 +75,7 @@ def run_cuda(cfg: dict[str, Any], cuda: bool | None, device: str, timeout_s: flo
     stderr = raw.pop("reader_stderr", "")
     results = []
     for si, (size, rows) in enumerate(zip(cfg["sizes_mib"], cfg["rows"], strict=True)):
-        nbytes = rows * HIDDEN * (4 if cfg["dtype"] == "float32" else 2)
+        nbytes = rows * row_bytes(cfg["dtype"])
         ms = {m: [v / 1e6 for v in raw[m][str(si)]["total"]] for m in CUDA_METHODS if m not in failed}
         base = percentile(ms["cuda_d2d"], 50) if ms.get("cuda_d2d") else float("nan")
         for m in CUDA_METHODS:

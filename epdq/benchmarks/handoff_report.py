@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.handoff_common import HIDDEN, LABELS, PARTS, RING_TARGET, SAFETENSORS_TARGET
+from epdq.benchmarks.handoff_common import LABELS, PARTS, RING_TARGET, SAFETENSORS_TARGET, row_bytes
 from epdq.benchmarks.report import percentile, table
 
 
 def summarise(cfg: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    itemsize = 4 if cfg["dtype"] == "float32" else 2
     results: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
     for si, (size, rows) in enumerate(zip(cfg["sizes_mib"], cfg["rows"], strict=True)):
-        nbytes = rows * HIDDEN * itemsize
+        nbytes = rows * row_bytes(cfg["dtype"])
         ms = {m: [v / 1e6 for v in raw[m][str(si)]["total"]] for m in cfg["methods"]}
         base = percentile(ms["memcpy"], 50)
         for m in cfg["methods"]:
