@@ -14,6 +14,7 @@ import os
 import secrets
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,16 @@ class AsyncClient:
                 self._security.client()  # the key files read and checked now too (mode, format)
         except EpdqError as e:  # the client's own settings (keys), not a request's input
             raise ConfigError(e.message) from None
+
+    def __del__(self, _warn: Any = warnings.warn) -> None:
+        # As asyncio's transports and aiohttp's sessions do: a client dropped while connected kept
+        # its socket (and any requests on it) open until now, which the caller should hear about.
+        ch = getattr(self, "_channel", None)
+        if ch is not None and not ch.closed:
+            _warn(
+                f"unclosed AsyncClient for {self.address}: use `async with AsyncClient(...)` or "
+                "`await client.close()`", ResourceWarning, source=self,
+            )  # fmt: skip
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
