@@ -43,7 +43,7 @@ from typing import Any
 from epdq.benchmarks.costmodel import CostModel, PointResult, Workload, simulate_point
 from epdq.benchmarks.goodput_real import RealConfig, plot_real, print_real, run_real
 from epdq.benchmarks.goodput_report import plot_cost, print_cost
-from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, sigterm_unwinds, write_json
 
 VLLM_TTFT_SLO_S = 20.0
 VLLM_TPOT_SLO_S = 0.100
@@ -207,10 +207,12 @@ def run_cost(
     topologies = sorted(set(DEFAULT_TOPOLOGIES if topologies is None else topologies) - {n_pd})
     sizes = {"encoders": 1, "pds": n_pd, "both": n_pd + 1}
     n_sweeps = 5 + 2 * len(sensitivity) + 2 * len(topologies)
+    # the most load points a sweep can run (the grid up to its first miss, then the bisection): a
+    # bound, so the count never runs past the bar's end (half the grid + refine did: "71/55")
     bar = (
         progress
         if progress is not None
-        else Progress(n_sweeps * (len(grid) // 2 + refine), "goodput (cost model)")
+        else Progress(n_sweeps * (len(grid) + refine), "goodput (cost model)")
     )
     common = dict(window_s=window_s, min_requests=min_requests, sizes=sizes, tick=bar.advance)
     sweeps = {
@@ -256,7 +258,7 @@ def run_cost(
         topo.append(_topology_row(n, epd.goodput(grid, refine), col.goodput(grid, refine), epd))
     topo.sort(key=lambda r: r["n_pd"])
     if progress is None:
-        bar.advance(bar.total - bar.done)
+        bar.advance(max(0, bar.total - bar.done))
     e4, c4 = summary["epd_4img"]["goodput_rps"], summary["colocated_4img"]["goodput_rps"]
     rc, rn = summary["epd_repeat_cache"]["goodput_rps"], summary["epd_repeat_nocache"]["goodput_rps"]
     sz = [image_size] * images_per_request
@@ -419,7 +421,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
             check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
         except ValueError as e:
             ap.error(str(e))
-        run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real=real)
+        with sigterm_unwinds():  # the cluster stopped (its workers killed if they hang), its directory removed
+            run(kind="real", out_dir=a.out_dir, plot=not a.no_plot, real=real)
         return 0
     n_pd = 3 if a.pd is None else a.pd
     topo_arg = ",".join(map(str, DEFAULT_TOPOLOGIES)) if a.topologies is None else a.topologies
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
     except ValueError as e:
         ap.error(str(e))
-    run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
+    with sigterm_unwinds():
+        run(kind="cost", out_dir=a.out_dir, plot=not a.no_plot, quick=a.quick, **kw)
     return 0
 
 

@@ -105,7 +105,9 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
                 for route, hi in missed.items():  # bisect (geometrically) between the grid's bracket
                     lo = max((p["offered_qps"] for p in points if p["route"] == route and p["meets_slo"]), default=0.0)
                     for _ in range(cfg.refine if lo else 0):
-                        mid = round((lo * hi) ** 0.5, 2)
+                        mid = bisect_load(lo, hi)
+                        if mid is None:  # no load of 2 decimals left between them
+                            break
                         if (await point(route, mid))["meets_slo"]:
                             lo = mid
                         else:
@@ -130,6 +132,14 @@ async def run_real(cfg: RealConfig, log=lambda _m: None) -> dict[str, Any]:
         "slo": {"ttft_p99_s": cfg.ttft_slo_s, "tpot_p99_s": cfg.tpot_slo_s,
                 "rule": "vLLM's 20 s / 100 ms scaled down for the tiny CPU model (x0.05 TTFT, x0.5 TPOT)"},
     }  # fmt: skip
+
+
+def bisect_load(lo: float, hi: float) -> float | None:
+    """The next load to offer between `lo` (met the SLOs) and `hi` (missed them): their geometric
+    mean to 2 decimals, or None where that is `lo` or `hi` again (loads 1 and 1.01 ran 1 again,
+    a second row for the same load)."""
+    mid = round((lo * hi) ** 0.5, 2)
+    return mid if lo < mid < hi else None
 
 
 async def measure_point(
@@ -203,9 +213,9 @@ def print_real(res: dict[str, Any]) -> None:
     slo = res["slo"]
     sysn = {k: v.split(" (")[0] for k, v in res["systems"].items()}
     print(table(["route", "offered QPS", "done", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
-                 "encode p50 ms", "goodput", "SLO"], rows,
+                 "encode p50 ms", "goodput req/s", "SLO"], rows,
                 title=f"Real tiny model on CPU ({sysn['epd']} vs {sysn['colocated']}, one cluster; start "
-                f"{res['startup_s']:.0f} s); SLO P99 TTFT <= {slo['ttft_p99_s']} s, TPOT <= {slo['tpot_p99_s'] * 1e3:.0f} ms"))  # fmt: skip
+                f"{res['startup_s']:.0f} s); SLO P99 TTFT <= {slo['ttft_p99_s']} s, TPOT <= {slo['tpot_p99_s'] * 1e3:.3g} ms"))  # fmt: skip
     g = res["goodput_rps"]
     ratio = res["epd_over_colocated"]
     sat = res.get("saturated_grid") or {}

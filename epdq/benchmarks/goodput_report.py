@@ -16,20 +16,27 @@ def _images_label(res: dict[str, Any]) -> str:
     return f"{n} image" + ("" if n == 1 else "s")
 
 
+def _repeat_label(res: dict[str, Any]) -> str:
+    """The repeated-image scenario's share of hot-set images, as given (--repeat-fraction)."""
+    fraction = (res["workload"].get("repeat_workload") or {}).get("repeat_fraction", 0.5)
+    return f"{fraction * 100:.3g}% repeated images"
+
+
 def print_cost(res: dict[str, Any]) -> None:
     s = res["summary"]
     slo = res["slo"]
     u = res["unloaded"]
     k = _images_label(res)
+    rep = _repeat_label(res)
     print(f"\nCost model (simulated, real scheduler): encode {k} {u['encode_request_s'] * 1e3:.0f} ms, "
           f"prefill {u['prefill_request_s'] * 1e3:.0f} ms, unloaded TPOT {u['tpot_s'] * 1e3:.1f} ms; "
           f"SLO P99 TTFT <= {slo['ttft_p99_s']:.3g} s, P99 TPOT <= {slo['tpot_p99_s'] * 1e3:.1f} ms")  # fmt: skip
     labels = {
         "epd_4img": f"EPD {res['systems']['epd']}, {k}/req",
         "colocated_4img": f"{res['systems']['colocated']}, {k}/req",
-        "epd_repeat_cache": "EPD, 50% repeated images, cache",
-        "epd_repeat_nocache": "EPD, 50% repeated images, no cache",
-        "colocated_repeat": "colocated, 50% repeated images",
+        "epd_repeat_cache": f"EPD, {rep}, cache",
+        "epd_repeat_nocache": f"EPD, {rep}, no cache",
+        "colocated_repeat": f"colocated, {rep}",
     }
     rows = []
     marked = False
@@ -47,7 +54,7 @@ def print_cost(res: dict[str, Any]) -> None:
         f"EPD / colocated goodput, {k} per request: "
         f"{_xb(res['epd_over_colocated_4img'], _sat(s, 'epd_4img'), _sat(s, 'colocated_4img'))}; "
         f"cache gain on the repeated-image workload: "
-        f"{_xb(res['cache_gain'], _sat(s, 'epd_repeat_cache'), _sat(s, 'epd_repeat_nocache'))}"
+        f"{_xb(res['cache_gain'], _sat(s, 'epd_repeat_cache'), _sat(s, 'epd_repeat_nocache'), 'no cache')}"
     )
     if marked:
         print(_note(res))
@@ -55,8 +62,8 @@ def print_cost(res: dict[str, Any]) -> None:
         rows = [[c["offered_qps"], c["goodput_rps"], c["ttft_p50"], c["ttft_p99"], c["tpot_p50"] * 1e3,
                  c["tpot_p99"] * 1e3, c["engine_util_mean"], c["engine_encode_share_mean"],
                  "yes" if c["meets_slo"] else "no"] for c in res["curves"][name]]  # fmt: skip
-        print(table(["offered QPS", "goodput", "TTFT p50", "TTFT p99", "TPOT p50 ms", "TPOT p99 ms", "engine busy",
-                     "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
+        print(table(["offered QPS", "goodput req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
+                     "engine busy", "encode share", "SLO"], rows, title=f"Load sweep: {labels[name]}"))  # fmt: skip
     sens = res["sensitivity_tpot_slack"]
     rows = [[r["tpot_slack"], r["tpot_slo_s"] * 1e3, r["ttft_slo_s"], *_pair(r)] for r in sens]
     print(table(["TPOT slack", "TPOT SLO ms", "TTFT SLO s", "EPD goodput", "colocated goodput", "EPD/colocated"],
@@ -103,9 +110,9 @@ def _lb(v: float, saturated: bool) -> float | str:
     return f"≥ {v:.2f}" if saturated else v
 
 
-def _xb(ratio: float | None, num_bound: bool, den_bound: bool) -> str:
+def _xb(ratio: float | None, num_bound: bool, den_bound: bool, den: str = "colocated") -> str:
     if ratio is None or not math.isfinite(ratio):
-        return _x(ratio)
+        return _x(ratio, den)
     return bounded_ratio(ratio, num_bound, den_bound)
 
 
@@ -144,7 +151,7 @@ def plot_cost(res: dict[str, Any], path: Path) -> None:
             ax[1][0].plot(q, [p["ttft_p99"] for p in c], ls, color=color, marker="o", ms=3, label=label)
     k = _images_label(res)
     ax[0][0].set_title(f"{k}/request: goodput (within both SLOs)")
-    ax[1][1].set_title("50% repeated images: goodput")
+    ax[1][1].set_title(f"{_repeat_label(res)}: goodput")
     ax[0][1].axhline(slo["tpot_p99_s"] * 1e3, color="grey", ls=":", label="SLO")
     ax[0][1].set_title(f"{k}/request: P99 TPOT (ms)")
     ax[1][0].axhline(slo["ttft_p99_s"], color="grey", ls=":", label="SLO")
@@ -170,7 +177,7 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
         top.bar([i + 0.2 for i in x], [r["colocated_goodput"] for r in topo], 0.4, color="C1",
                 label="N+1 colocated")  # fmt: skip
         for i, r in zip(x, topo, strict=True):
-            top.annotate(_ratio_label(r), (i, max(r["epd_goodput"], r["colocated_goodput"])),
+            top.annotate(_ratio_label(r).replace(" (", "\n("), (i, max(r["epd_goodput"], r["colocated_goodput"])),
                          ha="center", va="bottom", fontsize=9)  # fmt: skip
         top.set_xticks(list(x), [f"N={r['n_pd']}" for r in topo])
         top.set_ylim(0, 1.12 * max(max(r["epd_goodput"], r["colocated_goodput"]) for r in topo) or 1)
@@ -178,7 +185,15 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
     top.set_title(f"{k}/request: goodput by topology (req/s)")
     top.grid(alpha=0.3, axis="y")
     sens = res.get("sensitivity_tpot_slack") or []
-    bottom.plot([r["tpot_slo_s"] * 1e3 for r in sens], [r["ratio"] for r in sens], "o-", color="C0")
+    bottom.plot([r["tpot_slo_s"] * 1e3 for r in sens], [r["ratio"] for r in sens], "-", color="C0")
+    for r in sens:  # each point with the table's text: a ratio over a topped-out grid is a bound, or unknown
+        if r["ratio"] is None or not math.isfinite(r["ratio"]):
+            continue
+        x, bound = r["tpot_slo_s"] * 1e3, _row_sat(r)
+        bottom.plot([x], [r["ratio"]], "o", color="C0", mfc="none" if bound else "C0")
+        bottom.annotate(_ratio_label(r).replace(" (", "\n("), (x, r["ratio"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    bottom.margins(x=0.12, y=0.2)  # room for the labels of the first and last points
     bottom.axhline(1.0, color="grey", ls=":")
     bottom.set_xscale("log")
     from matplotlib.ticker import NullFormatter, ScalarFormatter
@@ -191,6 +206,11 @@ def _plot_ratios(top: Any, bottom: Any, res: dict[str, Any], k: str) -> None:
     bottom.grid(alpha=0.3)
 
 
-def _x(ratio: float | None) -> str:
-    """A goodput ratio; none exists when the colocated side met the SLOs at no offered load."""
-    return f"{ratio:.2f}x" if ratio is not None and math.isfinite(ratio) else "n/a (no load met the SLOs)"
+def _x(ratio: float | None, den: str = "colocated") -> str:
+    """A goodput ratio; none exists when the denominator's side met the SLOs at no offered load
+    (infinite: the other side did; NaN: neither did)."""
+    if ratio is not None and math.isfinite(ratio):
+        return f"{ratio:.2f}x"
+    if ratio is not None and ratio > 0:  # "no load met the SLOs" stood beside an EPD goodput of 3.00
+        return f"n/a ({den} met the SLOs at no offered load)"
+    return "n/a (no load met the SLOs)"

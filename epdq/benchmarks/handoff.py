@@ -71,7 +71,7 @@ from epdq.benchmarks.handoff_common import (
 )
 from epdq.benchmarks.handoff_gpu import _cuda_available, render_cuda, run_cuda
 from epdq.benchmarks.handoff_report import render, summarise
-from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, write_json
+from epdq.benchmarks.report import Progress, check_out_dir, remove_stale, sigterm_unwinds, write_json
 
 __all__ = ["SHM_ROOT", "main", "render", "render_cuda", "run"]
 
@@ -277,11 +277,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
     except ValueError as e:
         ap.error(str(e))
     try:
-        run(
-            sizes_mib=sizes, repeats=args.repeats, out_dir=args.out, plot=not args.no_plot,
-            progress=args.progress, curve=args.curve, dtype=args.dtype, warmup=args.warmup,
-            pool_mib=args.pool_mib, ring_mib=args.ring_mib, cuda=args.cuda, device=args.device,
-        )  # fmt: skip
+        with sigterm_unwinds():  # the children stopped, the key and /dev/shm directories removed
+            run(
+                sizes_mib=sizes, repeats=args.repeats, out_dir=args.out, plot=not args.no_plot,
+                progress=args.progress, curve=args.curve, dtype=args.dtype, warmup=args.warmup,
+                pool_mib=args.pool_mib, ring_mib=args.ring_mib, cuda=args.cuda, device=args.device,
+            )  # fmt: skip
     except HandoffResourceError as e:  # memory ran out in a child after all: one line, not a traceback
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 1

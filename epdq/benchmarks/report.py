@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -35,12 +38,31 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v != v:
             return "n/a"
-        if abs(v) >= 100:
-            return f"{v:,.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3f}"
+        return f"{v:,.{_digits(v)}f}"
     return str(v)
+
+
+def _digits(v: float) -> int:
+    """Decimals a table shows for `v`: 3 significant figures or so, whole numbers from 100."""
+    a = abs(v)
+    return 0 if a >= 100 else 1 if a >= 10 else 2 if a >= 0.1 else 3
+
+
+def vs_target(value: float, target: float, *, at_most: bool, digits: int | None = None) -> str:
+    """`value` as a table prints it (`digits` decimals, by default those of `table`), with as many
+    more as it takes for the printed figure to fall on the same side of `target` as the value
+    itself: a PASS/MISS mark must follow from the figure beside it (1.302 against "≤ 1.3" was
+    printed "1.30" and marked MISS)."""
+    if not math.isfinite(value):
+        return "n/a" if value != value else f"{value}"
+    d = _digits(value) if digits is None else digits
+    met = value <= target if at_most else value >= target
+    for extra in range(12):
+        text = f"{value:,.{d + extra}f}"
+        shown = float(text.replace(",", ""))
+        if (shown <= target if at_most else shown >= target) == met:
+            return text
+    return repr(value)
 
 
 def _is_num(s: str) -> bool:
@@ -112,6 +134,29 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While a benchmark runs from its command line, SIGTERM (`kill`, `timeout`, a service
+    manager) unwinds it like Ctrl-C instead of ending the process on the spot: every `finally`
+    and `with` runs, so its child processes are stopped and its temporary directories (log
+    files, CURVE keys, safetensors files on /dev/shm) removed; it then exits with 128 + 15 = 143,
+    as a process killed by SIGTERM does. A second SIGTERM during that cleanup ends it at once.
+    Outside the main thread (where signals cannot be handled) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def remove_stale(path: str | os.PathLike) -> None:
     """Remove an output a run will not write this time (a plot under --no-plot): a file left from
     an older run beside the new JSON would be read as this run's."""
@@ -131,7 +176,13 @@ def check_out_dir(path: str | os.PathLike) -> None:
         with tempfile.TemporaryFile(dir=p):
             pass
     except OSError as e:
-        raise ValueError(f"--out {os.fspath(path)!r} is not a writable directory: {e.strerror or e}") from None
+        if isinstance(e, FileExistsError):  # mkdir's "File exists" for a file named like the directory
+            why = "it is a file"
+        elif isinstance(e, NotADirectoryError):
+            why = "a part of the path is a file"
+        else:
+            why = e.strerror or str(e)
+        raise ValueError(f"--out {os.fspath(path)!r} is not a writable directory: {why}") from None
 
 
 def write_json(path: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:
@@ -165,18 +216,20 @@ class Progress:
         self.enabled = force or self.stream.isatty()
         self.t0 = time.perf_counter()
         self._last = 0.0
+        self._finished = False
 
     def advance(self, n: int = 1) -> None:
         self.done += n
         now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+        if self.enabled and not self._finished and (now - self._last > 0.1 or self.done >= self.total):
             self._last = now
             frac = min(1.0, self.done / self.total)
             bar = "#" * int(frac * 30)
             eta = (now - self.t0) / frac * (1 - frac) if frac > 0 else 0.0
-            self.stream.write(f"\r{self.label:<28} [{bar:<30}] {self.done}/{self.total} eta {eta:5.1f}s")
-            if self.done >= self.total:
+            self.stream.write(f"\r{self.label:<28} [{bar:<30}] {min(self.done, self.total)}/{self.total} eta {eta:5.1f}s")
+            if self.done >= self.total:  # the line is finished once: later calls draw nothing
                 self.stream.write("\n")
+                self._finished = True
             self.stream.flush()
 
     def iter(self, items: Iterable[T]) -> Iterator[T]:

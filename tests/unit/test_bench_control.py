@@ -127,3 +127,26 @@ def test_bad_rounds_are_refused_before_anything_runs(tmp_path, rounds, capsys):
         control.main(["--requests", "5", "--rounds", str(rounds), "--out", str(tmp_path)])
     assert e.value.code == 2 and "rounds must be" in capsys.readouterr().err
     assert not (tmp_path / "control.json").exists()
+
+
+def test_figures_beside_pass_and_miss_follow_their_marks(capsys):
+    # a throughput of 4.996x was printed "5.00" and marked MISS against ">= 5x"; a p50 ratio of
+    # 0.3334 "0.33", MISS against "<= 0.33"; 9,999.6 req/s "10,000", MISS against ">= 10,000"
+    def result(system, workload, rps, p50):
+        return {"system": system, "workload": workload, "concurrency": 32, "rps": rps, "p50_ms": p50,
+                "p99_ms": 2 * p50, "errors": 0, "round_rps": [rps], "cpu_us_per_request": {}}  # fmt: skip
+
+    results = [result("epdq", "text", 9_999.6, 0.3334), result("http-vllm", "text", 9_999.6 / 4.996, 1.0),
+               result("http-keepalive", "text", 9_999.6 / 4.996, 1.0)]  # fmt: skip
+    ratios = control._ratios(results)
+    targets = control._targets(results, ratios, [32])
+    control.print_tables(results, ratios, targets, 8000)
+    out = capsys.readouterr().out
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in out.split("Targets")[-1].splitlines() if line.startswith("| ")}  # fmt: skip
+    assert table["epdq text req/s at 32"] == ["9,999.6", "≥ 10,000", "MISS"]
+    assert table["text throughput vs http-vllm at 32"] == ["4.996", "≥ 5×", "MISS"]
+    assert table["text p50 latency vs http-vllm at 32"] == ["0.3334", "≤ ⅓", "MISS"]
+    ratio_row = next(line for line in out.splitlines() if "http-vllm/text" in line)
+    cells = [c.strip() for c in ratio_row.split("|")[1:-1]]
+    assert cells[3] == "4.996" and cells[5] == "0.3334" and cells[7:10] == ["MISS", "MISS", "MISS"]

@@ -151,6 +151,9 @@ def test_print_real_marks_a_saturated_route(capsys):
     print_real(res)
     out = capsys.readouterr().out
     assert "EPD ≥ 5.00 req/s" in out and "colocated 2.00 req/s" in out and "≥ 2.50x" in out and "lower bound" in out
+    assert "| goodput req/s |" in out  # its goodput column named no unit
+    print_real(res | {"slo": {"ttft_p99_s": 1.0, "tpot_p99_s": 0.0004}})  # --tpot-slo 0.0004 read "TPOT <= 0 ms"
+    assert "TPOT <= 0.4 ms" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("real", [False, True])
@@ -178,3 +181,64 @@ def test_a_usage_error_leaves_no_out_directory(tmp_path, capsys):
             goodput.main([*argv, "--out", str(out)])
         assert exc.value.code == 2
         assert not out.exists(), argv
+
+
+def test_the_repeated_image_scenario_is_labelled_with_its_share(tmp_path, capsys):
+    # the table and the plot said "50% repeated images" whatever --repeat-fraction was
+    assert goodput.main(["--quick", "--no-plot", "--repeat-fraction", "0.2", "--qps", "1", "--window", "2",
+                         "--topologies", "none", "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "EPD, 20% repeated images, cache" in out and "colocated, 20% repeated images" in out
+    assert "50%" not in out
+    # the load sweeps' TTFT columns (seconds) and goodput (requests/s) named no unit
+    sweep_header = next(line for line in out.split("Load sweep")[1].splitlines() if line.startswith("| offered"))
+    assert "| goodput req/s |" in sweep_header and "| TTFT p50 s |" in sweep_header and "| TTFT p99 s |" in sweep_header
+    data = json.loads((tmp_path / "goodput.json").read_text())
+    assert data["workload"]["repeat_workload"]["repeat_fraction"] == 0.2
+
+
+def test_the_real_kinds_bisection_offers_no_load_twice():
+    # loads 1 and 1.01: their geometric mean to 2 decimals is 1.0 again, run a second time
+    from epdq.benchmarks.goodput_real import bisect_load
+
+    assert bisect_load(1.0, 1.01) is None and bisect_load(0.01, 0.02) is None
+    assert bisect_load(5.0, 10.0) == 7.07 and bisect_load(40.0, 80.0) == 56.57
+
+
+def test_the_sensitivity_plot_marks_its_bounds_as_the_table_does():
+    # its points were drawn as measured ratios where the table said "unknown (both ≥)"
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from epdq.benchmarks import goodput_report
+
+    rows = [
+        {"tpot_slo_s": 0.0123, "ratio": 1.76, "epd_goodput": 7.0, "colocated_goodput": 3.97},
+        {"tpot_slo_s": 0.0246, "ratio": 1.0, "epd_goodput": 8.0, "colocated_goodput": 8.0,
+         "epd_saturated_grid": True, "colocated_saturated_grid": True},
+        {"tpot_slo_s": 0.0500, "ratio": float("nan"), "epd_goodput": 0.0, "colocated_goodput": 0.0},
+    ]  # fmt: skip
+    fig, (top, bottom) = plt.subplots(2)
+    try:
+        goodput_report._plot_ratios(top, bottom, {"sensitivity_tpot_slack": rows}, "4 images")
+        assert [t.get_text() for t in bottom.texts] == ["1.76x", "unknown\n(both ≥)"]
+        hollow = [line.get_markerfacecolor() == "none" for line in bottom.lines if line.get_marker() == "o"]
+        assert hollow == [False, True]
+    finally:
+        plt.close(fig)
+
+
+def test_a_ratio_over_a_side_that_met_no_load_names_that_side():
+    # "n/a (no load met the SLOs)" stood beside an EPD goodput of 3.00 (its colocated side: 0)
+    import math
+
+    from epdq.benchmarks import goodput_report
+
+    assert goodput_report._x(math.inf) == "n/a (colocated met the SLOs at no offered load)"
+    assert goodput_report._xb(math.inf, False, False, "no cache") == "n/a (no cache met the SLOs at no offered load)"
+    assert goodput_report._x(math.nan) == goodput_report._x(None) == "n/a (no load met the SLOs)"
+    row = {"ratio": math.inf, "epd_goodput": 3.0, "colocated_goodput": 0.0}
+    assert goodput_report._ratio_label(row) == "n/a (colocated met the SLOs at no offered load)"

@@ -117,3 +117,20 @@ def test_a_size_that_is_not_whole_rows_says_what_is_moved():
         "(0.02 MiB is moved as 3 rows of 3584 bfloat16: 21 KiB)",
     ]
     assert handoff.size_notes([0.001], [1], "float32") == ["(0.001 MiB is moved as 1 row of 3584 float32: 14 KiB)"]
+
+
+def test_a_target_ratio_is_printed_on_the_side_of_its_mark():
+    # the 8 MiB row of a 2026-12-02 run read "1.30× | ≤ 1.3× | MISS" (its ratio: 1.3018)
+    from epdq.benchmarks.handoff_report import render
+
+    targets = [
+        {"size_mib": 8.0, "ring_over_memcpy": 1.3018, "ring_target": 1.3, "ring_pass": False,
+         "safetensors_over_ring": 4.96, "safetensors_target": 5.0, "safetensors_pass": False},
+        {"size_mib": 32.0, "ring_over_memcpy": 1.0642, "ring_target": 1.3, "ring_pass": True,
+         "safetensors_over_ring": 8.406, "safetensors_target": 5.0, "safetensors_pass": True},
+    ]  # fmt: skip
+    text = render({"config": {"dtype": "bfloat16", "hidden": handoff.HIDDEN, "repeats": 1}, "results": [],
+                   "targets": targets}).split("Targets")[1]  # fmt: skip
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if "MiB" in line]
+    assert rows == [["8 MiB", "1.302×", "≤ 1.3×", "MISS", "4.96×", "≥ 5×", "MISS"],
+                    ["32 MiB", "1.06×", "≤ 1.3×", "PASS", "8.4×", "≥ 5×", "PASS"]]  # fmt: skip

@@ -43,3 +43,17 @@ def test_encoders_and_pd_workers_add_up_to_the_workers_asked_for(tmp_path):
     assert (res["workers"]["encoders"], res["workers"]["pds"]) == (1, 1)
     data = json.loads((tmp_path / "scale.json").read_text())
     assert data["seed"] == 3 and data["workers"]["encoder_share"] == 0.9
+
+
+def test_the_probe_table_says_what_remove_worker_does(tmp_path, capsys):
+    # it said "scans the whole index" since the scheduler keeps each encoder's keys (no scan), and
+    # printed gauges() as "0.0 ms"
+    scale.run(workers=10, requests=200, nodes=5, memory=False, out_dir=str(tmp_path))
+    out = capsys.readouterr().out
+    why = {c[0]: c[2] for c in ([x.strip() for x in line.split("|")[1:-1]] for line in out.splitlines()
+                                if line.startswith("| remove_worker(") or line.startswith("| add+remove"))}  # fmt: skip
+    assert why["remove_worker(encoder)"].startswith("drops its own") and "whole index" not in out
+    assert "same scan" not in out and why["add+remove_worker(encoder owning none), 1k index"].startswith("no scan")
+    gauges = next(line for line in out.splitlines() if line.startswith("| gauges() with"))
+    assert "0.0 ms" not in gauges and "µs" in gauges
+    assert scale._ms(0.000_69) == "0.69 µs" and scale._ms(0.7876) == "788 µs" and scale._ms(1.23) == "1.2 ms"
