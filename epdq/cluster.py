@@ -377,7 +377,7 @@ class Cluster:
                 try:
                     ch.proc.wait(max(0.1, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    ch.proc.kill()
+                    kill_group(ch)
                     ch.proc.wait(5)
         self.children.clear()
         if self._tmp is not None:
@@ -394,6 +394,18 @@ class Cluster:
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.stop)
+
+
+def kill_group(ch: Child) -> None:
+    """SIGKILL a child that did not stop in time, and the processes it started (a worker's vLLM
+    EngineCore): each child leads a process group of its own. Killed alone, a worker still loading
+    left its EngineCore waiting 5 minutes for a handshake with it."""
+    try:
+        os.killpg(ch.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except OSError:
+        ch.proc.kill()
 
 
 def kill_child(ch: Child) -> None:

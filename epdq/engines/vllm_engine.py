@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -98,18 +99,38 @@ class VllmEngine:
         self._rpc_dir: str | None = None
         self._dead: BaseException | None = None
         self._active: set[str] = set()
+        self._start_cancelled = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Create the engine: its EngineCore process imports vLLM, loads the model and profiles it
+        (10-20 s here, minutes for a large model on a GPU). Cancelled (a worker told to stop while
+        it starts), it stops those processes, so the start ends at once rather than after the load."""
         if self._llm is not None:
             return
         from epdq.engines import vllm_plugin
 
         vllm_plugin.install()  # this process; vLLM's children get it via the entry point
         self._prepare_env()
+        before = {p.pid for p in multiprocessing.active_children()}
+        # Off the event loop: creation blocks until the EngineCore is ready.
+        creating = asyncio.ensure_future(asyncio.to_thread(self._create))
         try:
-            # Off the event loop: creation blocks ~10 s (spawn, import, load, profile).
-            await asyncio.to_thread(self._create)
+            await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            self._start_cancelled.set()  # the thread stops at its next step
+            # The thread cannot be interrupted; the processes it waits for can, and their end
+            # ends its wait ("Engine core initialization failed"). It may not have started them
+            # yet (it builds the config first), so look again until it gives up. Before its
+            # handshake a core does not notice its worker's exit: it would wait 5 minutes for it.
+            with contextlib.suppress(BaseException):
+                while not creating.done():
+                    await asyncio.to_thread(_stop_children, before)
+                    await asyncio.wait((creating,), timeout=0.1)
+            with contextlib.suppress(BaseException):
+                await creating
+            await self.close()  # in case it was created all the same; removes the RPC directory
+            raise
         except BaseException:
             self._release_rpc_dir()
             raise
@@ -118,6 +139,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._check_not_cancelled()  # those imports take seconds; the steps below more
         cfg = self.config
         limit = {"image": 0 if cfg.mode == "pd" else cfg.max_images_per_prompt, "video": 0}
         args = AsyncEngineArgs(
@@ -136,9 +158,14 @@ class VllmEngine:
         )
         with _uni_executor_on_cpu():
             vllm_config = args.create_engine_config()
+        self._check_not_cancelled()
         # Stored, not returned: a returned engine stays referenced by the finished futures, and
         # its __del__ would then run at interpreter exit, when vLLM's modules are gone.
         self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+
+    def _check_not_cancelled(self) -> None:
+        if self._start_cancelled.is_set():
+            raise asyncio.CancelledError("the engine's start was cancelled")
 
     def _prepare_env(self) -> None:
         for key, value in _ENV_DEFAULTS.items():
@@ -332,6 +359,24 @@ class VllmEngine:
 
 
 _env_lock = threading.Lock()
+
+
+def _stop_children(before: set[int], timeout_s: float = 10.0) -> None:
+    """SIGTERM the processes this process started (vLLM's EngineCore) since `before` was taken,
+    then SIGKILL those still there after `timeout_s`."""
+    import time
+
+    new = [p for p in multiprocessing.active_children() if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    end = time.monotonic() + timeout_s
+    for p in new:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.kill()
+            p.join(5)
 
 
 def _destroy_zmq_context(llm) -> None:

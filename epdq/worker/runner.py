@@ -10,8 +10,9 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from epdq import protocol as P
 from epdq.engines import SUPPORTED_MODEL_TYPES
@@ -22,6 +23,7 @@ from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
 log = logging.getLogger("epdq.worker")
+T = TypeVar("T")
 
 ROLES = ("encoder", "pd", "both")
 
@@ -283,14 +285,18 @@ async def _run_encoder(
             from epdq.engines.vision import HFVisionEncoder
 
             # embeddings stay on the GPU when the ring is there too
-            engine = await asyncio.to_thread(
+            engine = await _unless_stopped(stop, asyncio.to_thread(
                 HFVisionEncoder, model, dtype=cfg.dtype, device=cfg.device,
                 output_device=cfg.device if cfg.ring == "cuda" else "cpu",
-            )  # fmt: skip
+            ))  # fmt: skip
     except BaseException:
         if ring_extra:
             ring.close()
         raise
+    if engine is None:
+        if ring_extra:
+            ring.close()
+        return
     if not ring_extra:
         ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
     worker = EncoderWorker(
@@ -353,10 +359,12 @@ async def _run_pd(
     elif cfg.engine == "hf":
         from epdq.engines.hf_pd import HFPDEngine
 
-        engine = await asyncio.to_thread(
+        engine = await _unless_stopped(stop, asyncio.to_thread(
             HFPDEngine, model, mode="both" if colocated else "pd", dtype=cfg.dtype, device=cfg.device,
             max_model_len=cfg.max_model_len, max_images_per_prompt=cfg.max_images_per_prompt,
-        )  # fmt: skip
+        ))  # fmt: skip
+        if engine is None:
+            return
         embed_device = cfg.device
     else:
         from epdq.engines.vllm_engine import VllmEngine
@@ -368,7 +376,8 @@ async def _run_pd(
             max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes,
             max_images_per_prompt=cfg.max_images_per_prompt,
         )  # fmt: skip
-    await engine.start()
+    if not await _unless_stopped(stop, _started(engine)):
+        return
     worker = PDWorker(
         engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
         max_image_bytes=cfg.max_image_bytes, max_image_pixels=cfg.max_image_pixels, security=security,
@@ -437,6 +446,38 @@ def _vllm_device(device: str) -> None:
         device,
         os.environ["CUDA_VISIBLE_DEVICES"],
     )
+
+
+async def _unless_stopped(stop: asyncio.Event, start: Awaitable[T]) -> T | None:
+    """Await a start-up step (loading a model: seconds to minutes), unless `stop` comes first (a
+    signal while the worker starts): the step is then cancelled and None returned, and the worker
+    leaves before it ever registered. A vLLM engine's start ends at once when cancelled; a model
+    that loads on a thread of this process (the hf engines) cannot be interrupted, and the process
+    exits once that thread is done."""
+    task = asyncio.ensure_future(start)
+    if not stop.is_set():
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stopped.cancel()
+        if task.done():
+            return task.result()
+    log.info("told to stop while starting: the model's loading is abandoned, this worker does not register")
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception) as e:  # a start that failed as it was stopped: moot
+        log.debug("start-up step ended by the stop: %r", e)
+    return None
+
+
+async def _started(engine) -> bool:
+    await engine.start()
+    return True
 
 
 async def _until(stop: asyncio.Event, task: asyncio.Task | None) -> None:

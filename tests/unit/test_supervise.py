@@ -4,7 +4,11 @@ short-lived `sh` processes in place of epdq's own children."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -76,3 +80,41 @@ def test_how_it_ended_names_signals():
     assert how_it_ended(1) == "exited with code 1"
     assert how_it_ended(-9) == "was killed by SIGKILL"
     assert how_it_ended(-15) == "was killed by SIGTERM"
+
+
+def test_a_child_that_outstays_its_stop_is_killed_with_the_processes_it_started(tmp_path):
+    # a worker still loading, killed alone, left its vLLM EngineCore behind (waiting 5 minutes for
+    # a handshake); a child leads a process group of its own, and the group goes with it
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        grandchild = int(proc.stdout.readline())
+        cluster = Cluster(ClusterSpec(address=f"ipc://{tmp_path}/b.sock", log_dir=str(tmp_path)))
+        cluster.children.append(Child("pd-0", proc, tmp_path / "pd-0.log", 0, "worker"))
+        cluster.stop(timeout=0.1, now=True)  # SIGINT, ignored: killed after the 5 s floor
+        assert proc.returncode == -signal.SIGKILL
+        end = time.monotonic() + 10
+        while _alive(grandchild) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _alive(grandchild)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        proc.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

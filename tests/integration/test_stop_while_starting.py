@@ -1,0 +1,82 @@
+"""A PD worker told to stop while vLLM starts (10-20 s here, minutes for a large model on a GPU)
+stops then, not once the engine is up, and leaves nothing behind: vLLM's EngineCore process, which
+before its handshake does not notice that its worker is gone (it waited 5 minutes), and the
+worker's private RPC directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from epdq.worker.runner import WorkerConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _children(pid: int) -> list[int]:
+    """Children of every thread of `pid` (vLLM spawns its EngineCore from a worker thread)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothing(tmp_path, model_dir):
+    tmp = tmp_path / "tmp"  # where the worker makes its RPC directory (tempfile honours TMPDIR)
+    tmp.mkdir()
+    cfg = WorkerConfig(role="pd", broker=f"ipc://{tmp_path}/broker.sock", model=model_dir, worker_id="pd-x")
+    log_path = tmp_path / "pd.log"
+    env = os.environ | {"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "epdq.launch", "worker", msgspec.json.encode(cfg).decode()],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        # the start is under way once vLLM has spawned its EngineCore
+        end = time.monotonic() + 120
+        cores: list[int] = []
+        while not cores and proc.poll() is None and time.monotonic() < end:
+            cores = [c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)]
+            time.sleep(0.05)
+        assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        text = log_path.read_text()
+        assert "told to stop while starting" in text
+        assert "worker pd-x up" not in text  # before: it loaded, said it was up, then stopped
+        end = time.monotonic() + 15
+        while any(map(_alive, cores)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(map(_alive, cores)), "the EngineCore outlived its worker"
+        assert not list(tmp.glob("epdq-vllm-rpc-*"))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
