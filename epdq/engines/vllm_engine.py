@@ -165,7 +165,7 @@ class VllmEngine:
 
     def _check_not_cancelled(self) -> None:
         if self._start_cancelled.is_set():
-            raise asyncio.CancelledError("the engine's start was cancelled")
+            raise _StartCancelled("the engine's start was cancelled")
 
     def _prepare_env(self) -> None:
         for key, value in _ENV_DEFAULTS.items():
@@ -359,6 +359,10 @@ class VllmEngine:
 
 
 _env_lock = threading.Lock()
+
+
+class _StartCancelled(Exception):
+    """Ends the creating thread between its steps once `start` was cancelled."""
 
 
 def _stop_children(before: set[int], timeout_s: float = 10.0) -> None:

@@ -377,6 +377,7 @@ async def _run_pd(
             max_images_per_prompt=cfg.max_images_per_prompt,
         )  # fmt: skip
     if not await _unless_stopped(stop, _started(engine)):
+        await engine.close()  # a cancelled vLLM start has closed itself: nothing left to do then
         return
     worker = PDWorker(
         engine, worker_id=cfg.worker_id, node=cfg.node, colocated=colocated,
