@@ -15,36 +15,9 @@ import msgspec
 import pytest
 
 from epdq.worker.runner import WorkerConfig
+from tests.procs import alive, children, cmdline
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def _children(pid: int) -> list[int]:
-    """Children of every thread of `pid` (vLLM spawns its EngineCore from a worker thread)."""
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except FileNotFoundError:
-            pass
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothing(tmp_path, model_dir):
@@ -63,7 +36,7 @@ def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothin
         end = time.monotonic() + 120
         cores: list[int] = []
         while not cores and proc.poll() is None and time.monotonic() < end:
-            cores = [c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)]
+            cores = [c for c in children(proc.pid) if "spawn_main" in cmdline(c)]
             time.sleep(0.05)
         assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
         proc.send_signal(signal.SIGTERM)
@@ -72,9 +45,9 @@ def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothin
         assert "told to stop while starting" in text
         assert "worker pd-x up" not in text  # before: it loaded, said it was up, then stopped
         end = time.monotonic() + 15
-        while any(map(_alive, cores)) and time.monotonic() < end:
+        while any(map(alive, cores)) and time.monotonic() < end:
             time.sleep(0.1)
-        assert not any(map(_alive, cores)), "the EngineCore outlived its worker"
+        assert not any(map(alive, cores)), "the EngineCore outlived its worker"
         assert not list(tmp.glob("epdq-vllm-rpc-*"))
     finally:
         if proc.poll() is None:

@@ -16,6 +16,7 @@ import pytest
 
 from epdq.benchmarks import report
 from epdq.benchmarks.report import Progress
+from tests.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,14 +123,6 @@ print("RETURNED", rc, flush=True)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["handoff", "control", "goodput"])
@@ -154,9 +147,9 @@ def test_sigterm_stops_the_children_and_removes_the_temporary_directories(tmp_pa
         if kind != "goodput":
             assert pids
             deadline = time.monotonic() + 10  # orphans would be the old behaviour's children, dying slowly
-            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            while any(alive(p) for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert [p for p in pids if _alive(p)] == []
+            assert [p for p in pids if alive(p)] == []
         assert not (tmp_path / "out" / f"{kind}.json").exists()
     finally:
         for d in dirs:

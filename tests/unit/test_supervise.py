@@ -14,6 +14,7 @@ import time
 import pytest
 
 from epdq.cluster import Child, Cluster, ClusterSpec
+from tests.procs import alive
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,20 +102,11 @@ def test_a_child_that_outstays_its_stop_is_killed_with_the_processes_it_started(
         cluster.stop(timeout=0.1, now=True)  # SIGINT, ignored: killed after the 5 s floor
         assert proc.returncode == -signal.SIGKILL
         end = time.monotonic() + 10
-        while _alive(grandchild) and time.monotonic() < end:
+        while alive(grandchild) and time.monotonic() < end:
             time.sleep(0.05)
-        assert not _alive(grandchild)
+        assert not alive(grandchild)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
         proc.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
