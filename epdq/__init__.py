@@ -17,6 +17,30 @@ from epdq.errors import (
 
 __version__ = "0.1.0"
 
+
+def _watch_parent_early() -> None:
+    """A child that multiprocessing spawns (vLLM's EngineCore) imports its parent's main module
+    (`epdq.launch`, or the `epdq` script's `cli.main`), and so this package, before any of vLLM's
+    code. vLLM loads epdq's plugin, whose thread ends the child with its worker, only after the
+    child's handshake with that worker, which a SIGKILLed worker never answers: the core waited
+    5 minutes. Starting the thread here covers that window. Only in children of a worker that
+    asked for it (EPDQ_DIE_WITH_PARENT=1); elsewhere this costs one environment lookup."""
+    import os
+
+    if os.environ.get("EPDQ_DIE_WITH_PARENT") != "1":
+        return
+    import multiprocessing
+
+    # `_inheriting` is multiprocessing's own mark of a child being prepared (its spawn module
+    # checks it the same way); parent_process() is only set after the preparation
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        from epdq.engines.vllm_plugin import watch_parent
+
+        watch_parent(preparing=True)
+
+
+_watch_parent_early()
+
 _CLIENT_NAMES = ("AsyncClient", "Delta", "GenerateResult", "Timings")
 
 

@@ -183,6 +183,9 @@ class Cluster:
                     continue
                 planned = rc == 0 and max_restarts > 0
                 if ch.restart_at is None:  # found it exited just now
+                    # what it started and left running (a SIGKILLed worker's engine processes,
+                    # which also watch for it); SIGTERM lets vLLM's remove its shared memory
+                    signal_group(ch, signal.SIGTERM)
                     if not planned and now - ch.started >= stable_s:
                         ch.restarts = 0  # not part of a crash loop
                     if not planned and ch.restarts >= max_restarts:
@@ -200,6 +203,7 @@ class Cluster:
                         say(f"{ch.name} {how_it_ended(rc)}; restarting it in {delay:g} s "
                             f"({ch.restarts + 1}/{max_restarts}; log: {ch.log_path})")  # fmt: skip
                 if now >= ch.restart_at:
+                    signal_group(ch, signal.SIGKILL)
                     new = self.respawn(ch)
                     if planned:
                         new.restarts = ch.restarts
@@ -400,12 +404,21 @@ def kill_group(ch: Child) -> None:
     """SIGKILL a child that did not stop in time, and the processes it started (a worker's vLLM
     EngineCore): each child leads a process group of its own. Killed alone, a worker still loading
     left its EngineCore waiting 5 minutes for a handshake with it."""
-    try:
-        os.killpg(ch.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    except OSError:
+    if not signal_group(ch, signal.SIGKILL):
         ch.proc.kill()
+
+
+def signal_group(ch: Child, sig: int) -> bool:
+    """Signal the process group `ch` leads (it, and what it started), even once `ch` itself has
+    exited and been reaped: a group's id is not given to a new process while the group has members.
+    False if that was refused."""
+    try:
+        os.killpg(ch.proc.pid, sig)
+    except ProcessLookupError:
+        pass  # nobody left in it
+    except OSError:
+        return False
+    return True
 
 
 def kill_child(ch: Child) -> None:

@@ -41,6 +41,7 @@ _ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
 }
 _RPC_ENV = "VLLM_RPC_BASE_PATH"
+WORKER_PID_ENV = "EPDQ_WORKER_PID"
 _owned_rpc_dirs: set[str] = set()
 
 
@@ -170,6 +171,9 @@ class VllmEngine:
     def _prepare_env(self) -> None:
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # whose children vLLM's processes are: one that finds this process gone when it starts
+        # (killed while the child was starting) exits at once (vllm_plugin.watch_parent)
+        os.environ[WORKER_PID_ENV] = str(os.getpid())
         plugins = os.environ.get("VLLM_PLUGINS")
         if plugins is not None and "epdq_torchvision_shim" not in plugins.split(","):
             os.environ["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "epdq_torchvision_shim") if p)

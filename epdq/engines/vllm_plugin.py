@@ -61,12 +61,22 @@ def install() -> bool:
 _watching = False
 
 
-def watch_parent(interval_s: float = 1.0) -> bool:
+def _gone(pid: int) -> bool:
+    """Exited, or a zombie its parent has not reaped yet (its children were reparented already)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def watch_parent(interval_s: float = 1.0, *, preparing: bool = False) -> bool:
     """In a process vLLM spawned for an epdq worker: exit when that worker is gone.
 
     A SIGKILLed worker cannot stop its EngineCore; without this the core runs on as an orphan
     holding ~1 GB. Only where the worker asked for it (EPDQ_DIE_WITH_PARENT=1) and only in spawned
-    children, never in the worker itself.
+    children, never in the worker itself. `preparing`: called while multiprocessing prepares a
+    spawned child (see `epdq._watch_parent_early`), before it knows its parent process.
     """
     global _watching
     import multiprocessing
@@ -75,12 +85,19 @@ def watch_parent(interval_s: float = 1.0) -> bool:
     import threading
     import time
 
-    if _watching or os.environ.get("EPDQ_DIE_WITH_PARENT") != "1" or multiprocessing.parent_process() is None:
+    if _watching or os.environ.get("EPDQ_DIE_WITH_PARENT") != "1":
+        return False
+    if not preparing and multiprocessing.parent_process() is None:
         return False
     parent = os.getppid()
+    worker = os.environ.get("EPDQ_WORKER_PID", "")
+    # A worker killed while this child started has handed it to init already, so getppid()
+    # names init, which never goes. A child of the worker's own children (vLLM's workers under
+    # its EngineCore) has a live worker and watches its own parent.
+    orphaned = worker.isdigit() and int(worker) != parent and _gone(int(worker))
 
     def loop() -> None:
-        while os.getppid() == parent:
+        while not orphaned and os.getppid() == parent:
             time.sleep(interval_s)
         os.kill(os.getpid(), signal.SIGTERM)  # let vLLM clean up its shared memory
         time.sleep(10)

@@ -53,3 +53,42 @@ def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothin
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_an_engine_core_whose_worker_is_killed_before_the_handshake_exits_soon(tmp_path, model_dir):
+    """SIGKILL (the OOM killer, `kill -9`) gives the worker no chance to stop its EngineCore, and
+    vLLM loads epdq's plugin (whose thread watches the parent) only after the core's handshake
+    with its worker, which a dead worker never answers: the core waited 5 minutes. Killed as soon
+    as the core appears, so the worker is often gone before the core's first line of Python."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cfg = WorkerConfig(role="pd", broker=f"ipc://{tmp_path}/broker.sock", model=model_dir, worker_id="pd-k")
+    log_path = tmp_path / "pd.log"
+    env = os.environ | {"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "epdq.launch", "worker", msgspec.json.encode(cfg).decode()],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+    cores: list[int] = []
+    try:
+        end = time.monotonic() + 120
+        while not cores and proc.poll() is None and time.monotonic() < end:
+            cores = [c for c in children(proc.pid) if "spawn_main" in cmdline(c)]
+            time.sleep(0.01)
+        assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
+        proc.kill()
+        proc.wait(10)
+        end = time.monotonic() + 15  # the watch looks once a second
+        while any(map(alive, cores)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(map(alive, cores)), "the EngineCore outlived its SIGKILLed worker"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for c in cores:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

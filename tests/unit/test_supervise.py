@@ -110,3 +110,49 @@ def test_a_child_that_outstays_its_stop_is_killed_with_the_processes_it_started(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
         proc.stdout.close()
+
+
+async def test_what_a_crashed_child_started_goes_before_it_is_started_again(tmp_path):
+    # a worker SIGKILLed (the OOM killer) leaves its engine processes; the restarted worker starts
+    # its own, and the old ones must not hold their memory meanwhile
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    grandchildren: list[int] = []
+    cluster = Cluster(ClusterSpec(address=f"ipc://{tmp_path}/b.sock", log_dir=str(tmp_path)))
+
+    def spawn(name: str, kind: str, cfg: object) -> Child:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+        grandchildren.append(int(proc.stdout.readline()))
+        proc.stdout.close()
+        child = Child(name, proc, tmp_path / f"{name}.log", 0, kind, cfg)
+        cluster.children.append(child)
+        return child
+
+    cluster._spawn = spawn  # type: ignore[method-assign]
+    first = spawn("pd-0", "worker", None)
+    task = asyncio.create_task(cluster.supervise(interval_s=0.01, backoff_s=0.2))
+    try:
+        os.kill(first.proc.pid, signal.SIGKILL)
+        while len(grandchildren) < 2:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.02)
+        end = time.monotonic() + 5  # SIGKILLed before the restart; gone once the kernel is done
+        while alive(grandchildren[0]) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        assert not alive(grandchildren[0]), "the crashed child's process outlived its restart"
+        assert alive(grandchildren[1])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for ch in list(cluster.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ch.proc.pid, signal.SIGKILL)
+            ch.proc.wait(5)
+        for pid in grandchildren:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
