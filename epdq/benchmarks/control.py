@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
     a.concurrency = list(dict.fromkeys(a.concurrency))
     try:
         _check_args(a.concurrency, a.requests, a.warmup, a.rounds)
-        check_out_dir(a.out)
+        check_out_dir(a.out, ("control.json", "control.png"))
     except ValueError as e:
         ap.error(str(e))
     with sigterm_unwinds():  # the cluster and the HTTP servers stopped, the temporary directory removed

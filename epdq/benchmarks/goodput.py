@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
                 max_tokens=d.max_tokens if a.output_tokens is None else a.output_tokens,
                 ttft_slo_s=a.ttft_slo or d.ttft_slo_s, tpot_slo_s=a.tpot_slo or d.tpot_slo_s, seed=a.seed,
             )  # fmt: skip
-            check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
+            check_out_dir(a.out_dir, ("goodput-real.json", "goodput-real.png"))  # last: a refused command leaves no directory behind
         except ValueError as e:
             ap.error(str(e))
         with sigterm_unwinds():  # the cluster stopped (its workers killed if they hang), its directory removed
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         _check_cost_args(n_pd=n_pd, tpot_slack=tpot_slack, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo, qps_grid=qps,
                          window_s=window, min_requests=1, refine=0, sensitivity=None,
                          topologies=topologies)  # fmt: skip
-        check_out_dir(a.out_dir)  # last: a refused command leaves no directory behind
+        check_out_dir(a.out_dir, ("goodput.json", "goodput.png"))  # last: a refused command leaves no directory behind
     except ValueError as e:
         ap.error(str(e))
     with sigterm_unwinds():

@@ -227,7 +227,9 @@ def check_cuda(cuda: bool | None, device: str) -> str:
 
 
 def _check_args(sizes: list[float], repeats: int, warmup: int, dtype: str, pool_mib: int, ring_mib: int) -> None:
-    if not sizes or any(not 0 < s <= 1024 for s in sizes):
+    if not sizes:
+        raise ValueError("sizes: give at least one size in MiB, e.g. 1,8,32")
+    if any(not 0 < s <= 1024 for s in sizes):
         raise ValueError(f"sizes must be in (0, 1024] MiB, got {sizes}")
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.h
         check_cuda(args.cuda, args.device)
         _, pool_bytes, ring_bytes = _sizes(list(sizes), args.dtype, args.pool_mib, args.ring_mib)
         check_memory(pool_bytes, ring_bytes, args.pool_mib, args.ring_mib)
-        check_out_dir(args.out)
+        check_out_dir(args.out, ("handoff.json", "handoff.png"))
     except ValueError as e:
         ap.error(str(e))
     try:

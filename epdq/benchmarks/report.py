@@ -163,9 +163,10 @@ def remove_stale(path: str | os.PathLike) -> None:
     Path(path).unlink(missing_ok=True)
 
 
-def check_out_dir(path: str | os.PathLike) -> None:
+def check_out_dir(path: str | os.PathLike, writes: tuple[str, ...] = ()) -> None:
     """Create `--out` and prove it writable BEFORE a benchmark runs, so that a long run never
-    ends in a traceback with its results lost. Raises ValueError with a one-line reason."""
+    ends in a traceback with its results lost; `writes`: the files the run will write there,
+    which must be files it may overwrite if they exist. Raises ValueError with a one-line reason."""
     import tempfile
 
     if not os.fspath(path).strip():  # Path("") is ".": the results would land wherever the shell stands
@@ -183,6 +184,14 @@ def check_out_dir(path: str | os.PathLike) -> None:
         else:
             why = e.strerror or str(e)
         raise ValueError(f"--out {os.fspath(path)!r} is not a writable directory: {why}") from None
+    for name in writes:
+        f = p / name
+        if f.exists() and not f.is_file():
+            kind = "a directory" if f.is_dir() else "not a regular file"
+            raise ValueError(f"--out {os.fspath(path)!r}: {name} is there and is {kind}; the run writes "
+                             f"its results to that name (move it away or choose another --out)")  # fmt: skip
+        if f.exists() and not os.access(f, os.W_OK):
+            raise ValueError(f"--out {os.fspath(path)!r}: {name} is there and may not be written")
 
 
 def write_json(path: str | os.PathLike, name: str, data: dict[str, Any]) -> Path:

@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     nodes = min(50, a.workers) if a.nodes is None else a.nodes
     try:
         _check_args(a.workers, a.requests, a.encoder_share, nodes)
-        check_out_dir(a.out_dir)
+        check_out_dir(a.out_dir, ("scale.json",))
     except ValueError as e:
         ap.error(str(e))
     run(workers=a.workers, requests=a.requests, encoder_share=a.encoder_share, nodes=nodes,

@@ -13,6 +13,8 @@ from epdq.benchmarks.costmodel import CostModel, Workload
 BAD_ARGS = [
     ("handoff", ["--sizes", "abc"], "--sizes must be numbers"),
     ("handoff", ["--sizes", "0"], "sizes must be in (0, 1024] MiB"),
+    ("handoff", ["--sizes", ""], "sizes: give at least one size in MiB, e.g. 1,8,32"),  # was "got []"
+    ("handoff", ["--sizes", " , "], "sizes: give at least one size in MiB"),
     ("handoff", ["--repeats", "0"], "repeats must be >= 1"),
     ("handoff", ["--pool-mib", "0"], "pool and ring sizes"),
     ("handoff", ["--device", "bogus"], "--device must be cpu, cuda or cuda:N, not 'bogus'"),
@@ -120,6 +122,34 @@ def test_an_unusable_out_directory_is_refused_before_the_run(module, tmp_path, c
         main(["--out", str(blocker / "results")], prog=f"epdq bench {module}")
     assert exc.value.code == 2
     assert "is not a writable directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "name"),
+    [
+        ("handoff", [], "handoff.json"),
+        ("handoff", [], "handoff.png"),
+        ("control", [], "control.json"),
+        ("goodput", [], "goodput.png"),
+        ("goodput", ["--real"], "goodput-real.json"),
+        ("scale", [], "scale.json"),
+    ],
+)
+def test_a_directory_where_a_result_goes_is_refused_before_the_run(module, argv, name, tmp_path, capsys):
+    # before, the run went to its end and then failed writing there, in a traceback
+    (tmp_path / name).mkdir()
+    main = importlib.import_module(f"epdq.benchmarks.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path)], prog=f"epdq bench {module}")
+    assert exc.value.code == 2
+    assert f"{name} is there and is a directory" in capsys.readouterr().err
+
+
+def test_a_result_file_left_by_an_older_run_is_fine(tmp_path):
+    from epdq.benchmarks.report import check_out_dir
+
+    (tmp_path / "scale.json").write_text("{}")
+    check_out_dir(tmp_path, ("scale.json", "scale.png"))
 
 
 def test_scale_fits_its_default_node_count_to_few_workers(tmp_path, capsys):
