@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -20,25 +21,37 @@ from tests.procs import alive, children, cmdline
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothing(tmp_path, model_dir):
-    tmp = tmp_path / "tmp"  # where the worker makes its RPC directory (tempfile honours TMPDIR)
+def _start_worker(tmp_path, model_dir: str, worker_id: str) -> tuple[subprocess.Popen, Path, Path]:
+    """A PD worker as `epdq up` starts one; (process, its log, its TMPDIR, where it makes its RPC
+    directory: tempfile honours TMPDIR)."""
+    tmp = tmp_path / "tmp"
     tmp.mkdir()
-    cfg = WorkerConfig(role="pd", broker=f"ipc://{tmp_path}/broker.sock", model=model_dir, worker_id="pd-x")
-    log_path = tmp_path / "pd.log"
+    cfg = WorkerConfig(role="pd", broker=f"ipc://{tmp_path}/broker.sock", model=model_dir, worker_id=worker_id)
+    log_path = tmp_path / f"{worker_id}.log"
     env = os.environ | {"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "epdq.launch", "worker", msgspec.json.encode(cfg).decode()],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
+    return proc, log_path, tmp
+
+
+def _engine_cores(proc: subprocess.Popen, log_path: Path) -> list[int]:
+    """vLLM's EngineCore processes, as soon as the worker has spawned one (its start is under way)."""
+    end = time.monotonic() + 120
+    cores: list[int] = []
+    while not cores and proc.poll() is None and time.monotonic() < end:
+        cores = [c for c in children(proc.pid) if "spawn_main" in cmdline(c)]
+        time.sleep(0.01)
+    assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
+    return cores
+
+
+def test_a_pd_worker_told_to_stop_while_vllm_starts_stops_then_and_leaves_nothing(tmp_path, model_dir):
+    proc, log_path, tmp = _start_worker(tmp_path, model_dir, "pd-x")
     try:
-        # the start is under way once vLLM has spawned its EngineCore
-        end = time.monotonic() + 120
-        cores: list[int] = []
-        while not cores and proc.poll() is None and time.monotonic() < end:
-            cores = [c for c in children(proc.pid) if "spawn_main" in cmdline(c)]
-            time.sleep(0.05)
-        assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
+        cores = _engine_cores(proc, log_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
         text = log_path.read_text()
@@ -60,23 +73,10 @@ def test_an_engine_core_whose_worker_is_killed_before_the_handshake_exits_soon(t
     vLLM loads epdq's plugin (whose thread watches the parent) only after the core's handshake
     with its worker, which a dead worker never answers: the core waited 5 minutes. Killed as soon
     as the core appears, so the worker is often gone before the core's first line of Python."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    cfg = WorkerConfig(role="pd", broker=f"ipc://{tmp_path}/broker.sock", model=model_dir, worker_id="pd-k")
-    log_path = tmp_path / "pd.log"
-    env = os.environ | {"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "epdq.launch", "worker", msgspec.json.encode(cfg).decode()],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-        )  # fmt: skip
+    proc, log_path, _ = _start_worker(tmp_path, model_dir, "pd-k")
     cores: list[int] = []
     try:
-        end = time.monotonic() + 120
-        while not cores and proc.poll() is None and time.monotonic() < end:
-            cores = [c for c in children(proc.pid) if "spawn_main" in cmdline(c)]
-            time.sleep(0.01)
-        assert cores, f"no EngineCore was started:\n{log_path.read_text()[-3000:]}"
+        cores = _engine_cores(proc, log_path)
         proc.kill()
         proc.wait(10)
         end = time.monotonic() + 15  # the watch looks once a second
