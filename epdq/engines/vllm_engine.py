@@ -18,13 +18,12 @@ import gc
 import multiprocessing
 import os
 import pathlib
-import shutil
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from epdq.engines import rpc_dirs
 from epdq.engines.base import IMAGE_PLACEHOLDER, Delta, SamplingSpec, embed_rows, render_chat_prompt
 from epdq.errors import CancelledError, EngineError, InvalidInputError
 
@@ -98,6 +97,7 @@ class VllmEngine:
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=True)
         self._llm = None
         self._rpc_dir: str | None = None
+        self._rpc_lock = -1  # the fd whose lock marks _rpc_dir as in use
         self._dead: BaseException | None = None
         self._active: set[str] = set()
         self._start_cancelled = threading.Event()
@@ -180,15 +180,15 @@ class VllmEngine:
         current = os.environ.get(_RPC_ENV)
         if current is None or current in _owned_rpc_dirs:
             # vLLM leaves its ipc socket files behind; keep them in a private dir we can remove.
-            self._rpc_dir = tempfile.mkdtemp(prefix="epdq-vllm-rpc-")
-            os.chmod(self._rpc_dir, 0o700)
+            rpc_dirs.remove_stale()  # those of workers that were SIGKILLed
+            self._rpc_dir, self._rpc_lock = rpc_dirs.make()
             _owned_rpc_dirs.add(self._rpc_dir)
             os.environ[_RPC_ENV] = self._rpc_dir
 
     def _release_rpc_dir(self) -> None:
         if self._rpc_dir is None:
             return
-        shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        rpc_dirs.release(self._rpc_dir, self._rpc_lock)
         _owned_rpc_dirs.discard(self._rpc_dir)
         if os.environ.get(_RPC_ENV) == self._rpc_dir:
             del os.environ[_RPC_ENV]
