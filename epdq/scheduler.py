@@ -46,6 +46,7 @@ from epdq.jobs import (
     WorkerState,
 )
 from epdq.protocol import EmbedRef, EntryId
+from epdq.queue_share import QueueShares
 from epdq.ring_space import entry_span
 
 
@@ -82,6 +83,7 @@ COUNTERS = (
     "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "fetch_failures", "pd_requeues",
     "workers_lost",
     "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired", "ring_blocks", "pins_released",
+    "share_preemptions",
 )  # fmt: skip
 
 
@@ -106,6 +108,7 @@ class Scheduler:
         self._actions: list[Action] = []
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.queued = 0  # requests waiting or ready
+        self.shares = QueueShares()  # the same, by client
         self.held_image_bytes = 0
         # kept up to date at every change so that gauges() is O(1) however deep the queues are
         self._n_state: dict[ReqState, int] = dict.fromkeys(ReqState, 0)
@@ -234,7 +237,7 @@ class Scheduler:
             raise InvalidInputError(f"request id {rid!r} is already in use", request_id=rid)
         if not 0 < timeout_s <= self.cfg.max_timeout_s:
             raise InvalidInputError(f"timeout must be in (0, {self.cfg.max_timeout_s}] s", request_id=rid)
-        if self.queued >= self.cfg.max_queued_requests:
+        if self.queued >= self.cfg.max_queued_requests and not self._make_room(client):
             self.counters["busy_rejections"] += 1
             raise BusyError(
                 f"{self.queued} requests queued (limit {self.cfg.max_queued_requests})",
@@ -257,7 +260,7 @@ class Scheduler:
         self.requests[rid] = req
         self._n_state[ReqState.WAITING] += 1
         self.held_image_bytes += nbytes
-        self.queued += 1
+        self._queue_in(req)
         self.counters["requests_submitted"] += 1
         heapq.heappush(self._deadlines, (req.deadline, rid))
         if route == "epd":
@@ -266,6 +269,34 @@ class Scheduler:
         if not req.pending:
             self._make_ready(req)
         self.dispatch()
+
+    def _make_room(self, client: bytes) -> bool:
+        """A full queue: turn away the newest request of a client over its share (queue_share.py)
+        for `client`, which holds less. Only one that never ran: one re-queued after its PD
+        worker died may have streamed tokens already. False: `client` is told busy."""
+        heavy = self.shares.over_share(client, self.cfg.max_queued_requests)
+        if heavy is None:
+            return False
+        for rid in reversed(self.requests):
+            r = self.requests[rid]
+            if r.client == heavy and r.state in (ReqState.WAITING, ReqState.READY) and not r.dispatched_at:
+                held, share = self.shares.held[heavy], self.shares.share(client, self.cfg.max_queued_requests)
+                self.counters["share_preemptions"] += 1
+                self._finish(r, BusyError(
+                    f"the queue is full ({self.cfg.max_queued_requests} requests) and this client held {held} "
+                    f"of them, over its share of {share}: its newest made room for another client's",
+                    retry_after=self.cfg.busy_retry_after_s,
+                ))  # fmt: skip
+                return True
+        return False
+
+    def _queue_in(self, req: Request) -> None:
+        self.queued += 1
+        self.shares.add(req.client)
+
+    def _queue_out(self, req: Request) -> None:
+        self.queued -= 1
+        self.shares.remove(req.client)
 
     def _resolve_route(self, route: str) -> str:
         if route in ("epd", "colocated"):
@@ -309,7 +340,7 @@ class Scheduler:
         """A request back from its PD worker: queued again, first waiting for any embedding that
         is no longer resident (dropped with a dead encoder or evicted while it ran)."""
         req.worker = None
-        self.queued += 1
+        self._queue_in(req)
         if req.route == "epd":
             for key in dict.fromkeys(req.keys):
                 if key not in self.index and key not in req.pending:
@@ -363,7 +394,7 @@ class Scheduler:
         if req.state is ReqState.DONE:
             return
         if req.state in (ReqState.WAITING, ReqState.READY):
-            self.queued -= 1
+            self._queue_out(req)
         elif req.state is ReqState.RUNNING and error is not None and req.worker is not None:
             # the PD worker's slot stays taken until it acknowledges the abort
             self._emit(SendAbort(req.worker, req.rid))
@@ -713,7 +744,7 @@ class Scheduler:
                 refs = [self.index[k].ref for k in req.keys] if route == "epd" else []
             except KeyError:  # an embedding left the index unnoticed: wait for it, don't wedge the queue
                 q.popleft()
-                self.queued -= 1  # _requeue counts it again
+                self._queue_out(req)  # _requeue counts it again
                 self._requeue(req)
                 requeued = True
                 continue
@@ -725,7 +756,7 @@ class Scheduler:
             self._set_state(req, ReqState.RUNNING)
             req.worker = w.worker_id
             req.dispatched_at = self.clock()
-            self.queued -= 1
+            self._queue_out(req)
             self._take_slot(w, req.rid)
             if refs:
                 remote = any(r.node != w.node for r in refs)

@@ -47,6 +47,7 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
             "failed": k.get("requests_failed", 0),
             "cancelled": k.get("cancelled", 0),
             "busy_rejections": k.get("busy_rejections", 0),
+            "share_preemptions": k.get("share_preemptions", 0),
             "protocol_errors": k.get("protocol_errors", 0),
             "refused_registrations": k.get("refused_registrations", 0),
         },
@@ -81,7 +82,9 @@ def render(s: dict[str, Any], address: str) -> str:
         f"{c['evictions']} evicted)",
         f"requests: {r['completed']} completed, {r['failed']} failed, {r.get('cancelled', 0)} cancelled, "
         f"{r['busy_rejections']} busy, "
-        f"{r['protocol_errors']} malformed messages"
+        # queued requests of a client over its share, turned away for another client's
+        + (f"{r['share_preemptions']} made room, " if r.get("share_preemptions") else "")
+        + f"{r['protocol_errors']} malformed messages"
         # a client key trying to join as a worker, or a worker started with the wrong key
         + (f", {r['refused_registrations']} refused worker registrations" if r.get("refused_registrations") else ""),
     ]

@@ -20,6 +20,7 @@ from epdq.broker import BrokerConfig
 from epdq.cluster import Cluster, kill_child
 from epdq.demo import demo_image
 from epdq.security import SecurityConfig
+from epdq.status import render, summary
 from tests.integration.helpers import noop_spec, wait_stats
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -48,6 +49,34 @@ async def test_backpressure_gate_answers_busy(tmp_path):
         queued.cancel()
         await asyncio.gather(running, queued, return_exceptions=True)
         await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0 and s["gauges"]["requests_queued"] == 0)
+
+
+async def test_a_client_that_fills_the_queue_does_not_lock_another_out(tmp_path):
+    """Two client connections: one fills the queue; the other's request still gets in, and the
+    first one's newest queued request is told busy in its place (queue_share.py)."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(max_queued_requests=2, busy_retry_after_s=0.25),
+        worker_defaults={"engine": "noop", "capacity": 1, "noop_token_s": 30.0},
+    )  # fmt: skip
+    async with Cluster(spec) as cluster, AsyncClient(cluster.address) as flood, AsyncClient(cluster.address) as other:
+        tasks = [asyncio.create_task(flood.generate("gate", max_tokens=1))]
+        await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+        for i in range(2):
+            tasks.append(asyncio.create_task(flood.generate(f"queued {i}", max_tokens=1)))
+            await wait_stats(cluster.address, lambda s, n=i + 1: s["gauges"]["requests_queued"] == n)
+        with pytest.raises(BusyError):
+            await flood.generate("one more", max_tokens=1)  # full, for the client that filled it
+        theirs = asyncio.create_task(other.generate("mine", max_tokens=1))
+        with pytest.raises(BusyError, match="over its share of 1") as ei:
+            await asyncio.wait_for(tasks[2], 10)  # the flood's newest made room
+        assert ei.value.retry_after == 0.25
+        s = await other.stats()
+        assert s["counters"]["share_preemptions"] == 1 and s["gauges"]["requests_queued"] == 2
+        assert "1 busy, 1 made room," in render(summary(s), cluster.address)  # `epdq status`
+        assert not theirs.done() and not tasks[1].done()
+        for t in [*tasks[:2], theirs]:
+            t.cancel()
+        await asyncio.gather(*tasks, theirs, return_exceptions=True)
 
 
 async def test_the_brokers_timeout_is_the_default_deadline(tmp_path):

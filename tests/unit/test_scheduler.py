@@ -120,6 +120,47 @@ def test_busy_when_queue_full(clock):
     assert s.counters["busy_rejections"] == 1
 
 
+def submit_as(s, client, rid, keys=()):
+    s.submit(rid, client, list(keys), [b"img-" + k for k in keys], 10.0, payload=None)
+    return s.take_actions()
+
+
+def test_a_client_under_its_share_of_a_full_queue_gets_room_from_the_one_over_it(clock):
+    # one client filled the whole queue; every other client used to get BusyError until it drained
+    s = make(clock, pd=0, enc=0, max_queued_requests=4, busy_retry_after_s=0.25)
+    for i in range(4):
+        submit_as(s, b"flood", f"f{i}")
+    acts = submit_as(s, b"other", "o1")
+    (fail,) = of(acts, Fail)
+    assert fail.rid == "f3" and fail.client == b"flood"  # its newest
+    assert isinstance(fail.error, BusyError) and fail.error.retry_after == 0.25
+    assert "over its share of 2" in fail.error.message
+    assert s.shares.held == {b"flood": 3, b"other": 1} and s.queued == 4
+    submit_as(s, b"other", "o2")  # still under its share: f2 goes
+    assert s.shares.held == {b"flood": 2, b"other": 2}
+    with pytest.raises(BusyError, match="4 requests queued"):
+        submit_as(s, b"other", "o3")  # at its share now: told busy, as the flood is
+    with pytest.raises(BusyError):
+        submit_as(s, b"flood", "f9")
+    assert s.counters["share_preemptions"] == 2 and s.counters["busy_rejections"] == 2
+    # a third client: shares of 4 // 3 = 1; the heaviest (a tie: the first found) makes room
+    submit_as(s, b"third", "t1")
+    assert sum(s.shares.held.values()) == 4 and s.shares.held[b"third"] == 1
+
+
+def test_a_request_that_already_ran_is_never_turned_away_for_room(clock):
+    # re-queued after its PD worker died, it may have streamed tokens: BusyError would be a lie
+    s = make(clock, enc=0, pd=1, pd_cap=2, max_queued_requests=1)
+    submit_as(s, b"flood", "r1")
+    submit_as(s, b"flood", "r2")  # both dispatched
+    s.remove_worker("pd-0")  # both back in the queue, over its limit
+    s.take_actions()
+    assert s.shares.held == {b"flood": 2} and s.requests["r2"].state is ReqState.READY
+    with pytest.raises(BusyError, match="2 requests queued"):
+        submit_as(s, b"other", "o1")
+    assert s.counters["share_preemptions"] == 0 and set(s.requests) == {"r1", "r2"}
+
+
 def test_running_requests_do_not_count_as_queued(clock):
     s = make(clock, pd_cap=1, max_queued_requests=1)
     submit(s, "r1", [])  # running
@@ -375,7 +416,8 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
         try:
             if op < 0.25:
                 keys = [K(rng.randrange(1, 12)) for _ in range(rng.randrange(0, 4))]
-                s.submit(f"r{next(next_rid)}", b"c", keys, [b"img" + k for k in keys], rng.uniform(1, 8), None)
+                client = rng.choice([b"c1", b"c1", b"c1", b"c2", b"c3"])  # one sends most
+                s.submit(f"r{next(next_rid)}", client, keys, [b"img" + k for k in keys], rng.uniform(1, 8), None)
             elif op < 0.45 and encodes:
                 a = encodes.pop(rng.choice(list(encodes)))
                 if rng.random() < 0.85:
@@ -453,6 +495,11 @@ def _check_invariants(s):
             assert not r.pending and all(k in s.index for k in r.keys), r
     for k, e in s.index.items():
         assert e.pinned == bool(s.users.get(k)), k  # pinned exactly while a live request needs it
+    held: dict[bytes, int] = {}
+    for r in s.requests.values():
+        if r.state in (ReqState.WAITING, ReqState.READY):
+            held[r.client] = held.get(r.client, 0) + 1
+    assert s.shares.held == held
 
 
 def test_requeued_request_reencodes_embeddings_dropped_while_it_ran(clock):
