@@ -237,12 +237,6 @@ class Scheduler:
             raise InvalidInputError(f"request id {rid!r} is already in use", request_id=rid)
         if not 0 < timeout_s <= self.cfg.max_timeout_s:
             raise InvalidInputError(f"timeout must be in (0, {self.cfg.max_timeout_s}] s", request_id=rid)
-        if self.queued >= self.cfg.max_queued_requests and not self._make_room(client):
-            self.counters["busy_rejections"] += 1
-            raise BusyError(
-                f"{self.queued} requests queued (limit {self.cfg.max_queued_requests})",
-                retry_after=self.cfg.busy_retry_after_s, request_id=rid,
-            )  # fmt: skip
         nbytes = sum(memoryview(im).nbytes for im in images)
         if self.held_image_bytes + nbytes > self.cfg.max_held_image_bytes:
             self.counters["busy_rejections"] += 1
@@ -253,6 +247,14 @@ class Scheduler:
         route = self._resolve_route(route)
         if route == "epd" and len(keys) != len(images):
             raise InvalidInputError("one key per image is required", request_id=rid)
+        # last: room is made (another client's request turned away) only for a request that is
+        # admitted once it has room
+        if self.queued >= self.cfg.max_queued_requests and not self._make_room(client):
+            self.counters["busy_rejections"] += 1
+            raise BusyError(
+                f"{self.queued} requests queued (limit {self.cfg.max_queued_requests})",
+                retry_after=self.cfg.busy_retry_after_s, request_id=rid,
+            )  # fmt: skip
         now = self.clock()
         req = Request(
             rid, client, route, list(keys), list(images), now + timeout_s, payload, now, image_bytes=nbytes

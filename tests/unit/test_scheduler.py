@@ -148,6 +148,17 @@ def test_a_client_under_its_share_of_a_full_queue_gets_room_from_the_one_over_it
     assert sum(s.shares.held.values()) == 4 and s.shares.held[b"third"] == 1
 
 
+def test_a_request_refused_for_another_reason_makes_no_room(clock):
+    s = make(clock, pd=0, enc=0, max_queued_requests=2, max_held_image_bytes=100)
+    submit_as(s, b"flood", "f1")
+    submit_as(s, b"flood", "f2")
+    with pytest.raises(BusyError, match="MiB of images held"):
+        s.submit("o1", b"other", [K(1)], [b"x" * 101], 10.0, payload=None)
+    with pytest.raises(InvalidInputError, match="unknown route"):
+        s.submit("o2", b"other", [], [], 10.0, payload=None, route="sideways")
+    assert set(s.requests) == {"f1", "f2"} and s.counters["share_preemptions"] == 0
+
+
 def test_a_request_that_already_ran_is_never_turned_away_for_room(clock):
     # re-queued after its PD worker died, it may have streamed tokens: BusyError would be a lie
     s = make(clock, enc=0, pd=1, pd_cap=2, max_queued_requests=1)
