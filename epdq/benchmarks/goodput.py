@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
     ap.add_argument("--window", type=float, default=None,
                     help="seconds of arrivals per load point (default 120 simulated, 30 with --quick; --real: 8 "
                     f"real); offered load x window is at most {MAX_SIM_REQUESTS:,} requests (--real: 20,000)")  # fmt: skip
-    ap.add_argument("--qps", default="",
+    ap.add_argument("--qps", default=None,
                     help=f"comma-separated offered loads in requests/s, each at least {MIN_QPS:g}; they are run in "
                     "ascending order, each once, whatever order they are given in")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
@@ -391,9 +391,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.g
         if given:
             ap.error(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the cost model only, not --real")
     try:
-        qps = [float(x) for x in a.qps.split(",") if x.strip()] or None
+        qps = None if a.qps is None else [float(x) for x in a.qps.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--qps must be numbers separated by commas, not {a.qps!r}")
+    if qps == []:  # `--qps ""` (an unset shell variable) used to run the whole default grid
+        ap.error("--qps: give at least one load in requests/s, e.g. 2,4,8 (or leave it out for the default grid)")
     if qps is not None and not all(_positive(q) for q in qps):
         ap.error(f"--qps values must be > 0, not {a.qps!r}")
     if qps is not None and min(round(q, 3) for q in qps) <= 0:

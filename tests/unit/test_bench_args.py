@@ -32,6 +32,8 @@ BAD_ARGS = [
     ("goodput", ["--image-size", "0x512"], "image_size must be (width, height)"),
     ("goodput", ["--qps", "1,x"], "--qps must be numbers"),
     ("goodput", ["--qps", "-2"], "--qps values must be > 0"),
+    ("goodput", ["--qps", ""], "--qps: give at least one load"),  # ran the default grid
+    ("goodput", ["--real", "--qps", " , "], "--qps: give at least one load"),
     ("goodput", ["--pd", "0"], "the number of PD workers must be 1..1024"),
     ("goodput", ["--topologies", "1,x"], "--topologies must be integers"),
     ("goodput", ["--topologies", "0"], "topology PD counts must be integers in 1..64"),
