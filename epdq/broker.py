@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from epdq import protocol as P
+from epdq.channel import Channel, PeerUnreachable
 from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
@@ -27,8 +28,6 @@ from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import WORKER_KEY_GLOB, authenticator_for, curve_required, load_worker_keys
 from epdq.transport import (
     MAX_MESSAGE_BYTES_DEFAULT,
-    Channel,
-    PeerUnreachable,
     bound_endpoint,
     endpoint_problem,
     host_port_problem,

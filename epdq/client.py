@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
-import os
 import secrets
 import time
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from epdq import protocol as P
+from epdq.channel import Channel
+from epdq.client_input import build_messages, input_loads_slowly, is_number, make_sampling
 from epdq.errors import (
     BrokerUnavailableError,
     ConfigError,
@@ -33,9 +33,8 @@ from epdq.errors import (
 )
 from epdq.handshake import HandshakeWatch, watch_client
 from epdq.keys import security_for
-from epdq.media import LOAD_INLINE_BYTES, decode_data_url, is_pil_image, load_image_bytes, loads_slowly
 from epdq.security import SecurityConfig, curve_required
-from epdq.transport import Channel, endpoint_problem, make_socket
+from epdq.transport import endpoint_problem, make_socket
 
 log = logging.getLogger("epdq.client")
 
@@ -99,9 +98,9 @@ class AsyncClient:
         """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
         made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
         loopback only. ipc:// needs neither."""
-        if timeout is not None and not (_is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        if timeout is not None and not (is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {timeout!r:.40}")
-        if not (_is_number(heartbeat_s) and heartbeat_s > 0):
+        if not (is_number(heartbeat_s) and heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be a number of seconds > 0, not {heartbeat_s!r:.40}")
         if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness < 1:
             raise ValueError(f"liveness must be an integer >= 1 (missed heartbeats), not {liveness!r:.40}")
@@ -442,7 +441,7 @@ class AsyncClient:
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The broker's counters, gauges and workers."""
-        if not (_is_number(timeout) and timeout > 0):
+        if not (is_number(timeout) and timeout > 0):
             raise InvalidInputError(f"timeout must be a number of seconds > 0, not {timeout!r}")
         ch = self._require_channel()
         nonce = next(self._nonce)
@@ -483,7 +482,7 @@ class AsyncClient:
         while (a PIL image to encode, a file to read, a large data: URL to decode), so that this
         event loop keeps serving every other request meanwhile; small bytes stay on it (a thread
         hop would cost more than the work)."""
-        if not _loads_slowly(images, messages):
+        if not input_loads_slowly(images, messages):
             return self._prepare(prompt, images, messages, *args)
         self._check_args(*args)  # a bad argument fails before a large image is encoded
         built = await asyncio.to_thread(build_messages, prompt, images, messages)
@@ -495,13 +494,13 @@ class AsyncClient:
     ) -> tuple[P.Sampling, float | None]:  # fmt: skip
         if timeout is None:
             timeout = self.timeout
-        elif not _is_number(timeout):
+        elif not is_number(timeout):
             raise InvalidInputError("timeout must be a number of seconds")
         if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
             raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
         if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
             raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
-        return _sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos), timeout
+        return make_sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos), timeout
 
     def _prepare(
         self,
@@ -605,136 +604,3 @@ def _timings(bt: P.Timings | None, t0: float, first: float, last: float, end: fl
         total_s=end - t0,
         encode_s=bt.encode_s, queue_s=bt.queue_s, images=bt.images, cache_hits=bt.cache_hits, route=bt.route,
     )  # fmt: skip
-
-
-def build_messages(
-    prompt: str | None, images: Sequence[Any], messages: list[dict] | None
-) -> tuple[list[P.ChatMessage], list[bytes]]:
-    """Turn (prompt, images) or OpenAI-style messages into wire messages and image blobs.
-
-    Content parts: {"type": "text", "text": ...}; {"type": "image", "image": path|bytes|PIL};
-    {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}} (remote URLs are not
-    fetched by the client).
-    """
-    if messages is not None:
-        if prompt is not None or images:
-            raise InvalidInputError("pass either messages, or a prompt with images, not both")
-        return _convert_messages(messages)
-    if prompt is None:
-        raise InvalidInputError("a prompt or messages are required")
-    if not isinstance(prompt, str):
-        raise InvalidInputError("prompt must be a string")
-    if images is None:
-        images = ()
-    elif isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike)) or is_pil_image(images):
-        images = [images]  # one image given bare
-    elif isinstance(images, (dict, set)) or not isinstance(images, Iterable):
-        raise InvalidInputError(f"images must be a list of images, not {type(images).__name__}")
-    blobs = [load_image_bytes(im) for im in images]
-    parts = [P.Part("image") for _ in blobs] + [P.Part("text", prompt)]
-    return [P.ChatMessage("user", parts)], blobs
-
-
-def _loads_slowly(images: Any, messages: Any) -> bool:
-    """Whether any image of (images, messages) may take a while to turn into bytes (see
-    `epdq.media.loads_slowly`). Malformed arguments are not: `build_messages` refuses them at once."""
-    if messages is not None:
-        if not isinstance(messages, list):
-            return False
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            for part in content if isinstance(content, (list, tuple)) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "image" and loads_slowly(part.get("image")):
-                    return True
-                if kind == "image_url":
-                    url = part.get("image_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    if isinstance(url, str) and len(url) > LOAD_INLINE_BYTES:
-                        return True
-        return False
-    if images is None or isinstance(images, (dict, set)):
-        return False
-    if isinstance(images, (str, bytes, bytearray, memoryview, os.PathLike)) or is_pil_image(images):
-        return loads_slowly(images)
-    if isinstance(images, (list, tuple)):
-        return any(loads_slowly(im) for im in images)
-    return isinstance(images, Iterable)  # a generator: it is consumed once, by build_messages
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: Any, ignore_eos: Any) -> P.Sampling:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise InvalidInputError(f"max_tokens must be an integer, not {max_tokens!r:.40}")
-    if not 1 <= max_tokens <= P.MAX_TOKENS_LIMIT:  # (beyond 2**64 it could not even be encoded)
-        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], not {max_tokens!r:.40}")
-    for name, v in (("temperature", temperature), ("top_p", top_p)):
-        if not _is_number(v):
-            raise InvalidInputError(f"{name} must be a finite number, not {v!r:.40}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not P.SEED_MIN <= seed <= P.SEED_MAX):
-        raise InvalidInputError(f"seed must be a 64-bit signed integer or None, not {seed!r:.40}")
-    if isinstance(stop, str):
-        stop = [stop]
-    elif stop is None:
-        stop = []
-    elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
-        raise InvalidInputError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
-    else:
-        stop = list(stop)
-        if not all(isinstance(x, str) for x in stop):
-            raise InvalidInputError("stop must be a string or a list of strings")
-    if not isinstance(ignore_eos, bool):
-        raise InvalidInputError("ignore_eos must be True or False")
-    s = P.Sampling(max_tokens, float(temperature), float(top_p), seed, stop, ignore_eos)
-    try:
-        P.validate_sampling(s)  # the broker's ranges, checked before anything is sent
-    except ProtocolError as e:
-        raise InvalidInputError(e.message) from None
-    return s
-
-
-def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[bytes]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInputError("messages must be a non-empty list")
-    out: list[P.ChatMessage] = []
-    blobs: list[bytes] = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidInputError("each message needs a role (a string) and content")
-        content = m.get("content")
-        if content is None:
-            content = ""  # as OpenAI allows for an assistant turn
-        if isinstance(content, str):
-            out.append(P.ChatMessage(m["role"], [P.Part("text", content)]))
-            continue
-        if not isinstance(content, (list, tuple)):
-            raise InvalidInputError("message content must be a string or a list of content parts")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise InvalidInputError("a text part's text must be a string")
-                parts.append(P.Part("text", text))
-            elif kind == "image":
-                blobs.append(load_image_bytes(part.get("image")))
-                parts.append(P.Part("image"))
-            elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                blobs.append(_data_url_bytes(url))
-                parts.append(P.Part("image"))
-            else:
-                raise InvalidInputError(f"unsupported content part type {kind!r}")
-        out.append(P.ChatMessage(m["role"], parts))
-    return out, blobs
-
-
-def _data_url_bytes(url: Any) -> bytes:
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise InvalidInputError("image_url must be a data: URL (the client does not fetch remote images)")
-    return decode_data_url(url)

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from epdq.transport import Channel
+from epdq.channel import Channel
 
 log = logging.getLogger(__name__)
 

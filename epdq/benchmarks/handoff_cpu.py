@@ -230,7 +230,7 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     import zmq
 
     from epdq import protocol as P
-    from epdq.ring import RingReader
+    from epdq.ring_reader import RingReader
     from epdq.worker.pd import RemoteFetcher
 
     now = time.perf_counter_ns
@@ -321,7 +321,7 @@ def _published(reader: Any, loop: Any, segment: str, offset: int, nbytes: int, k
     (RingReader.wait_published). Its first phases look at the header at every turn of the event
     loop; this process's loop has nothing else to run, so looking in a plain loop is the same
     (without a trip through the loop that the PD worker, already in a coroutine, does not make)."""
-    from epdq.ring import spin_budget
+    from epdq.ring_reader import spin_budget
 
     if not reader.spin(segment, offset, nbytes, key, generation, spin_budget(nbytes)):
         loop.run_until_complete(reader.wait_published(segment, offset, nbytes, key, generation))

@@ -233,8 +233,8 @@ def _cuda_reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     import torch
 
     from epdq import protocol as P
-    from epdq.ring import RingReader
     from epdq.ring_cuda import CudaRingReader
+    from epdq.ring_reader import RingReader
 
     now = time.perf_counter_ns
     setup = _read_setup(note_fd)

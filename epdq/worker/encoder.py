@@ -22,11 +22,12 @@ from typing import Any
 import zmq
 
 from epdq import protocol as P
+from epdq.channel import Channel, PeerUnreachable
 from epdq.engines.base import EncodedImage, VisionEngine
 from epdq.errors import EpdqError, InternalError, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.media import decode_image, quick_to_decode
 from epdq.ring import KEY_BYTES, RingWriter
-from epdq.transport import Channel, PeerUnreachable, bound_endpoint, make_socket, remove_stale_ipc_sockets
+from epdq.transport import bound_endpoint, make_socket, remove_stale_ipc_sockets
 
 log = logging.getLogger("epdq.encoder")
 

@@ -27,10 +27,11 @@ from typing import Any
 import zmq
 
 from epdq import protocol as P
+from epdq.channel import Channel
 from epdq.errors import ProtocolError
 from epdq.handshake import HandshakeWatch, watch_client
 from epdq.security import SecurityConfig
-from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, Channel, make_socket
+from epdq.transport import MAX_MESSAGE_BYTES_DEFAULT, make_socket
 
 log = logging.getLogger("epdq.worker")
 

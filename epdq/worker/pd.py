@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from epdq import protocol as P
+from epdq.channel import Channel
 from epdq.engines.base import PDEngine, SamplingSpec
 from epdq.errors import (
     ConfigError,
@@ -38,8 +39,8 @@ from epdq.errors import (
 )
 from epdq.keys import own_public_key
 from epdq.media import decode_image, quick_to_decode
-from epdq.ring import RingReader
-from epdq.transport import Channel, endpoint_problem, make_socket
+from epdq.ring_reader import RingReader
+from epdq.transport import endpoint_problem, make_socket
 
 log = logging.getLogger("epdq.pd")
 

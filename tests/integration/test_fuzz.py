@@ -37,7 +37,7 @@ from epdq import protocol as P
 from epdq.cluster import Cluster, die_with_parent
 from epdq.demo import demo_image
 from epdq.errors import ProtocolError
-from epdq.ring import RingReader
+from epdq.ring_reader import RingReader
 from epdq.worker.runner import WorkerConfig
 from tests.integration.helpers import noop_spec
 

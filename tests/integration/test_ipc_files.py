@@ -17,7 +17,8 @@ import uuid
 import pytest
 import zmq
 
-from epdq.transport import Channel, close_socket, make_socket, remove_stale_ipc_sockets
+from epdq.channel import Channel
+from epdq.transport import close_socket, make_socket, remove_stale_ipc_sockets
 from epdq.worker.encoder import FETCH_SOCKET_NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

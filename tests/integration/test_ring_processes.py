@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _READ_ONCE = r"""
 import hashlib, json, sys, torch
 from epdq.errors import StaleEmbeddingError
-from epdq.ring import RingReader
+from epdq.ring_reader import RingReader
 r = RingReader()
 for line in sys.stdin:
     m = json.loads(line)
@@ -42,7 +42,7 @@ for line in sys.stdin:
 _RACE = r"""
 import json, os, random, sys, torch
 from epdq.errors import StaleEmbeddingError
-from epdq.ring import RingReader
+from epdq.ring_reader import RingReader
 torch.set_num_threads(1)  # on a busy 2-core box a 2-thread pool makes each copy ~25x slower
 r, counts, recent, buf = RingReader(), {"ok": 0, "stale": 0, "torn": 0}, [], b""
 fd = sys.stdin.fileno()
@@ -164,7 +164,7 @@ def test_reader_racing_an_overwriter_never_sees_torn_data():
 _EARLY = r"""
 import json, sys, torch
 from epdq.errors import StaleEmbeddingError
-from epdq.ring import RingReader
+from epdq.ring_reader import RingReader
 torch.set_num_threads(1)
 r = RingReader()
 print("ready", flush=True)

@@ -1,7 +1,7 @@
 """How a channel cuts what it coalesced into BATCH messages."""
 
 from epdq import protocol as P
-from epdq.transport import BATCH_PAYLOAD_BYTES, _batches
+from epdq.channel import BATCH_PAYLOAD_BYTES, _batches
 
 
 def msg(payload: int = 0) -> tuple[list, bool]:
@@ -38,7 +38,8 @@ async def test_a_peer_that_does_not_read_is_cut_off_not_queued_for_without_end(t
 
     import zmq
 
-    from epdq.transport import Channel, make_socket
+    from epdq.channel import Channel
+    from epdq.transport import make_socket
 
     ctx = zmq.Context()
     addr = f"ipc://{tmp_path}/hwm.sock"

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from epdq import AsyncClient, InvalidInputError, media
+from epdq import AsyncClient, InvalidInputError, client_input, media
 from epdq import client as client_mod
 from epdq import protocol as P
 from epdq.demo import demo_image
@@ -83,13 +83,13 @@ def data_url(nbytes: int) -> str:
     ],
 )
 def test_which_images_load_on_a_thread(images, messages, slow):
-    assert client_mod._loads_slowly(images, messages) is slow
+    assert client_input.input_loads_slowly(images, messages) is slow
 
 
 def test_a_pil_image_counts_as_slow():
-    assert client_mod._loads_slowly([pil_image()], None)
-    assert client_mod._loads_slowly(pil_image(), None)
-    assert client_mod._loads_slowly(None, [{"role": "user", "content": [{"type": "image", "image": pil_image()}]}])
+    assert client_input.input_loads_slowly([pil_image()], None)
+    assert client_input.input_loads_slowly(pil_image(), None)
+    assert client_input.input_loads_slowly(None, [{"role": "user", "content": [{"type": "image", "image": pil_image()}]}])
 
 
 async def test_a_pil_image_is_encoded_off_the_event_loop(client, threads):

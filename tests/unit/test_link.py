@@ -333,7 +333,8 @@ async def test_an_encoder_announces_each_entry_before_it_copies_the_bytes_in():
     from epdq.demo import demo_image
     from epdq.engines.noop import NoopVisionEngine
     from epdq.media import decode_image
-    from epdq.ring import _HDR, _MAGIC, _PENDING, RingReader, RingWriter
+    from epdq.ring import _HDR, _MAGIC, _PENDING, RingWriter
+    from epdq.ring_reader import RingReader
 
     ring = RingWriter(1 << 20, owner_tag="test")
     worker, sent = _encoder(ring)

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from epdq import ring as ring_mod
-from epdq import ring_space
+from epdq import ring_reader, ring_space
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
-from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingReader, RingWriter
+from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingWriter
+from epdq.ring_reader import RingReader
 
 MIB = 1 << 20
 
@@ -370,7 +371,7 @@ def test_reader_detects_overwrite_during_its_copy(writer, reader, monkeypatch, d
     k = key()
     loc = writer.write(k, f32(nbytes))
     writer.unpin(k, loc.generation)
-    real_copy = ring_mod._copy_tensor
+    real_copy = ring_reader._copy_tensor
 
     def racing_copy(dst, src):
         real_copy(dst[: len(dst) // 2], src[: len(src) // 2])
@@ -379,7 +380,7 @@ def test_reader_detects_overwrite_during_its_copy(writer, reader, monkeypatch, d
             writer._place(start, span_of(64 * 1024), key(), f32(64 * 1024, 7.0), 64 * 1024)
         real_copy(dst[len(dst) // 2 :], src[len(src) // 2 :])
 
-    monkeypatch.setattr(ring_mod, "_copy_tensor", racing_copy)
+    monkeypatch.setattr(ring_reader, "_copy_tensor", racing_copy)
     with pytest.raises(StaleEmbeddingError):
         read(reader, writer, k, loc, f32(nbytes))
 
@@ -420,7 +421,7 @@ def test_segment_of_a_crashed_writer_is_let_go_at_the_next_link_check(reader, mo
     w.close(unlink=False)  # as after SIGKILL: nothing invalidated
     os.unlink(os.path.join(SHM_DIR, w.name))  # cleanup_stale_segments
     assert torch.equal(read(reader, w, k, loc, t), t)  # within RELINK_CHECK_S: intact bytes
-    monkeypatch.setattr(ring_mod, "RELINK_CHECK_S", 0.0)
+    monkeypatch.setattr(ring_reader, "RELINK_CHECK_S", 0.0)
     with pytest.raises(StaleEmbeddingError, match="removed"):
         read(reader, w, k, loc, t)
     assert w.name not in reader._segments
@@ -542,7 +543,7 @@ def test_an_entry_published_between_two_header_reads_is_not_taken_as_gone(writer
     t = torch.randn(256)
     k = key()
     loc = writer.reserve(k, t.nbytes)
-    real = ring_mod._HDR
+    real = ring_reader._HDR
 
     class PublishAfterFirstRead:
         reads = 0
@@ -557,9 +558,9 @@ def test_an_entry_published_between_two_header_reads_is_not_taken_as_gone(writer
         def pack_into(self, *a):
             return real.pack_into(*a)
 
-    monkeypatch.setattr(ring_mod, "_HDR", PublishAfterFirstRead())
+    monkeypatch.setattr(ring_reader, "_HDR", PublishAfterFirstRead())
     view, published = reader.view_early(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (256,))
-    monkeypatch.setattr(ring_mod, "_HDR", real)
+    monkeypatch.setattr(ring_reader, "_HDR", real)
     assert not published and reader.spin(writer.name, loc.offset, loc.nbytes, k, loc.generation, 0.0)
     assert torch.equal(view, t)
 
