@@ -9,7 +9,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("aiohttp")
 pytest.importorskip("matplotlib")
 
-from epdq.benchmarks import control  # noqa: E402
+from epdq.benchmarks import control, control_report  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -138,9 +138,9 @@ def test_figures_beside_pass_and_miss_follow_their_marks(capsys):
 
     results = [result("epdq", "text", 9_999.6, 0.3334), result("http-vllm", "text", 9_999.6 / 4.996, 1.0),
                result("http-keepalive", "text", 9_999.6 / 4.996, 1.0)]  # fmt: skip
-    ratios = control._ratios(results)
-    targets = control._targets(results, ratios, [32])
-    control.print_tables(results, ratios, targets, 8000)
+    ratios = control_report.ratios_to_proxy(results)
+    targets = control_report.targets_judged(results, ratios, [32])
+    control_report.print_tables(results, ratios, targets, 8000)
     out = capsys.readouterr().out
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in out.split("Targets")[-1].splitlines() if line.startswith("| ")}  # fmt: skip
