@@ -546,6 +546,11 @@ class Broker:
                 peer.worker_id, msg.job_id, "internal", "encoder sent an invalid entry"
             )
             return
+        # The registration's own objects, and one string per dtype name: the embedding index keeps
+        # every ref for as long as its entry is resident (up to a ring's worth per encoder), and
+        # decoded copies of these strings made up a third of an entry's memory.
+        ref.encoder_id, ref.segment = peer.worker_id, reg.ring_segment
+        ref.dtype = _DTYPE_NAMES.get(ref.dtype, ref.dtype)
         ref.node = reg.node
         ref.fetch_endpoint = reg.fetch_endpoint
         ref.ring_kind, ref.cuda_ring = reg.ring_kind, reg.cuda_ring  # a CUDA ring's IPC handle, from REGISTER
@@ -706,6 +711,9 @@ class Broker:
             if not live:
                 del self._clients[client]
                 self._client_seen.pop(client, None)
+
+
+_DTYPE_NAMES = {n: n for n in ("float32", "bfloat16", "float16", "float64", "uint8", "int8")}
 
 
 def _timings(req: Request) -> P.Timings:
