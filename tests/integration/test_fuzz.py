@@ -266,6 +266,16 @@ def decoded_type(frames: list[bytes]) -> type | None:
         return None
 
 
+def is_refusal(frames: list[bytes]) -> bool:
+    """A well-formed BYE that refuses the worker: the broker's word that registering again cannot
+    help, which a worker obeys by stopping (see `BrokerLink`)."""
+    try:
+        msg = P.decode(frames)[0]
+    except ProtocolError:
+        return False
+    return isinstance(msg, P.Bye) and msg.refused
+
+
 def hostile_submits(rng: random.Random) -> list[list[bytes]]:
     """Well-formed-looking SUBMITs that lie about sizes or carry absurd values."""
     img = demo_image(7, (32, 32))
@@ -690,6 +700,8 @@ async def test_workers_survive_fuzz_and_serve(workers, tmp_path):
         frames = malformed(rng, to_worker if rng.random() < 0.7 else every)
         if decoded_type(frames) is P.Prefill:
             continue  # answered; hostile PREFILLs are checked one by one below
+        if is_refusal(frames):
+            continue  # a mutation that came out a valid refusal (a BYE + True): a worker must obey it
         cases.append(frames)
     cases += [[bytes([rng.choice(to_worker)]), rng.randbytes(3 << 20)] for _ in range(2)]  # MiB frames
     for frames in cases:
