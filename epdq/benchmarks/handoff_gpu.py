@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -112,8 +113,9 @@ def render_cuda(c: dict[str, Any], cfg: dict[str, Any]) -> str:
             rows.append((_size_label(r["size_mib"]), r["label"], "failed", "", "", "", ""))
             continue
         parts = " + ".join(f"{p} {v['p50_ms']:.3f}" for p, v in r["parts"].items())
+        x = r["x_d2d"]  # NaN (None once through JSON) when the d2d row failed: nothing to compare with
         rows.append((_size_label(r["size_mib"]), r["label"], r["p50_ms"], r["p90_ms"], r["gb_per_s"],
-                     f"{r['x_d2d']:.2f}×", parts))  # fmt: skip
+                     f"{x:.2f}×" if x is not None and math.isfinite(x) else "n/a (d2d failed)", parts))  # fmt: skip
     text = table(["size", "method", "p50 ms", "p90 ms", "GB/s", "× d2d", "p50 ms of each part"], rows,
                  title=f"{title} on {c['gpu']} ({c['device']}), {cfg['repeats']} interleaved repeats")  # fmt: skip
     if c.get("failed"):

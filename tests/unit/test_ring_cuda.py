@@ -468,3 +468,19 @@ def test_handoff_gpu_rows_dry_run_and_skip(tmp_path):
         skipped = handoff.run(**kw)["cuda"]
         assert skipped["status"] == "skipped: no CUDA"
         assert "skipped: no CUDA" in handoff.render_cuda(skipped, {"dtype": "bfloat16", "hidden": 3584})
+
+
+def test_gpu_rows_without_a_d2d_row_print_no_nan():
+    """When the device-to-device row itself fails there is nothing to divide by: the other rows
+    said "nan×"; they now say so in words."""
+    from epdq.benchmarks import handoff
+
+    ok = {"size_mib": 1, "label": "shm ring from/to GPU", "status": "ok", "p50_ms": 0.5, "p90_ms": 0.6,
+          "gb_per_s": 2.0, "x_d2d": float("nan"), "parts": {"copy": {"p50_ms": 0.4}}}  # fmt: skip
+    failed = {"size_mib": 1, "label": "device-to-device copy", "status": "failed"}
+    c = {"status": "ok", "device": "cuda:0", "gpu": "test", "results": [failed, ok], "failed": ["cuda_d2d"]}
+    cfg = {"dtype": "bfloat16", "hidden": 3584, "repeats": 2}
+    text = handoff.render_cuda(c, cfg)
+    assert "nan" not in text.lower() and "n/a (d2d failed)" in text
+    ok["x_d2d"] = None  # as the JSON file has it
+    assert handoff.render_cuda(c, cfg) == text
