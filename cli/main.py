@@ -121,6 +121,7 @@ _FLAGS = {
     "allow_private_urls": "--allow-private-urls",
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
     "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
+    "share_by": "--share-by", "share_connections": "--share-connections",
 }  # fmt: skip
 
 
@@ -415,6 +416,11 @@ def serve_http(
     default_max_tokens: int = typer.Option(
         0, help="max_tokens of a request that names none; 0: as many as fit in the context (as vLLM)."
     ),
+    share_by: str = typer.Option(
+        "address", help="Spread users over broker connections, each with its own share of a full queue, by the "
+        "request's address, its OpenAI 'user' field (the address where it names none), or 'none'.",
+    ),
+    share_connections: int = typer.Option(8, help="Broker connections the users are spread over (1..64)."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
@@ -428,7 +434,7 @@ def serve_http(
             allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20), max_image_bytes=int(max_image_mb * 2**20),
             max_images=max_images,
             request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
-            log_format=log_format,
+            share_by=share_by, share_connections=share_connections, log_format=log_format,
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(_flag_names(str(e))) from None

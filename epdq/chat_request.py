@@ -87,9 +87,12 @@ class ChatCompletionRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
+    # who the request is for (OpenAI's field): with --share-by user, whose share of a full queue
+    # it counts against; any JSON value is accepted (and ignored unless a string), as before
+    user: Any = None
     # OpenAI parameters that would change the answer and that epdq does not implement: declared
     # so that a request using them is refused (see `unsupported`) instead of silently served
-    # without them; the rest of OpenAI's unknown fields (user, metadata, store, ...) are ignored.
+    # without them; the rest of OpenAI's unknown fields (metadata, store, ...) are ignored.
     logprobs: bool | None = None
     top_logprobs: int | None = None
     frequency_penalty: float | None = None

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP gateway in front of a broker.
 
 `/v1/chat/completions` (streaming SSE and not), `/v1/models` and `/health`, talking to the broker
-through one `epdq.AsyncClient`. Images come as `image_url` parts: base64 `data:` URLs always;
+through `epdq.AsyncClient`s, its users spread over a few of them (`epdq.gateway_clients`). Images come as `image_url` parts: base64 `data:` URLs always;
 local files (`file://` URLs or plain paths) only under `GatewayConfig.allow_dir`; remote http(s)
 URLs only when `allow_remote_urls` is set.
 
@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.client import MAX_TIMEOUT_S
 from epdq.errors import BrokerUnavailableError, ConfigError, DeadlineExceededError, EpdqError
+from epdq.gateway_clients import MAX_SHARE_CONNECTIONS, SHARE_BY, BrokerConnections
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
@@ -65,6 +66,10 @@ class GatewayConfig:
     stream_stall_s: float = 60.0  # a stream whose client reads nothing this long is cancelled (499)
     keys_dir: str = ""
     insecure: bool = False
+    # how HTTP users are spread over broker connections, each a client with its own share of a full
+    # queue (gateway_clients.py): by the request's address, its OpenAI `user` field, or "none"
+    share_by: str = "address"
+    share_connections: int = 8
     log_level: str = "info"
     log_format: str = "text"  # or "json": one object per line (the CLI entry point sets logging up)
 
@@ -90,6 +95,10 @@ class GatewayConfig:
             raise ValueError(f"port must be 1..65535, not {self.port}")
         if self.allow_private_urls and not self.allow_remote_urls:
             raise ValueError("allow_private_urls widens allow_remote_urls, which is off")
+        if self.share_by not in SHARE_BY:
+            raise ValueError(f"share_by must be one of {', '.join(SHARE_BY)}, not {self.share_by!r}")
+        if not 1 <= self.share_connections <= MAX_SHARE_CONNECTIONS:
+            raise ValueError(f"share_connections must be in [1, {MAX_SHARE_CONNECTIONS}]")
         if self.allow_dir is not None and not os.path.isdir(self.allow_dir):
             # checked now: otherwise every local image would fail, one request at a time
             raise ValueError(f"allow_dir {self.allow_dir!r} does not exist or is not a directory")
@@ -215,20 +224,23 @@ async def _or_disconnect(request: Request, aw: Any, timeout: float | None = None
 def create_app(config: GatewayConfig) -> FastAPI:
     from epdq.client import AsyncClient
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        client = AsyncClient(
+    def new_client() -> AsyncClient:
+        return AsyncClient(
             config.broker_address,
             timeout=config.request_timeout_s or None,
             keys_dir=config.keys_dir,
             insecure=config.insecure,
         )
-        await client.connect()
-        app.state.client = client
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        conns = BrokerConnections(new_client, config.share_by, config.share_connections)
+        app.state.connections = conns
         try:
+            await conns.get()  # one connection from the start, as /health asks the broker over it
             yield
         finally:
-            await client.close()
+            await conns.close()
 
     app = FastAPI(title="epdq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
@@ -247,7 +259,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         try:
-            s = await request.app.state.client.stats(timeout=1.0)
+            s = await (await request.app.state.connections.get()).stats(timeout=1.0)
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
             err = http_error(e if isinstance(e, EpdqError) else BrokerUnavailableError(str(e)))
             return JSONResponse({"status": "unavailable", "error": err.message}, status_code=503)
@@ -309,7 +321,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rec.images = sum(
             1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] != "text"
         )
-        client = request.app.state.client
+        conns = request.app.state.connections
+        client = await conns.get(conns.tenant(request.client.host if request.client else None, req.user))
         rid = rec.request_id
         created = int(time.time())
         if req.stream:

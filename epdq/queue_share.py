@@ -5,7 +5,7 @@ than an equal share asks for room, a client over its share gives up its newest q
 (which gets BusyError, as if it had come a moment later). So one client sending faster than the
 workers serve can no longer lock every other client out with BusyError, and nothing changes
 while there is room or a single client. A client is one connection to the broker (the HTTP
-gateway is one client for all of its users).
+gateway spreads its users over several: `epdq.gateway_clients`).
 """
 
 from __future__ import annotations

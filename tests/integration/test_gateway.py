@@ -32,9 +32,10 @@ MODEL = "epdq-test"
 
 
 @contextlib.asynccontextmanager
-async def gateway(address: str, *, sndbuf: int = 0, **kw):
+async def gateway(address: str, *, sndbuf: int = 0, servers: list | None = None, **kw):
     """The gateway on 127.0.0.1 with an ephemeral port, in this event loop; yields its base URL.
-    `sndbuf`: the send buffer of its connections (they inherit it from the listening socket)."""
+    `sndbuf`: the send buffer of its connections (they inherit it from the listening socket);
+    `servers`: a list the uvicorn server is appended to (its app is `server.config.app`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if sndbuf:
@@ -43,6 +44,8 @@ async def gateway(address: str, *, sndbuf: int = 0, **kw):
     port = sock.getsockname()[1]
     cfg = GatewayConfig(address, host="127.0.0.1", port=port, model_name=MODEL, log_level="warning", **kw)
     server = build_server(cfg)
+    if servers is not None:
+        servers.append(server)
     server.config.install_signal_handlers = False  # older uvicorn; newer ones only capture inside serve()
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -356,6 +359,51 @@ async def test_busy_is_429_and_disconnect_cancels(tmp_path):
             await oa.close()
 
 
+async def test_one_user_filling_the_queue_does_not_lock_other_users_out(tmp_path):
+    """The gateway used to be one broker client for all its users, so the broker's share of a full
+    queue (queue_share.py) could not tell them apart: one user filling the queue got every other
+    user a 429. Users now go over separate connections (here by their OpenAI `user` field)."""
+    spec = noop_spec(
+        tmp_path, broker=BrokerConfig(max_queued_requests=2, busy_retry_after_s=0.25),
+        worker_defaults={"engine": "noop", "capacity": 1, "noop_token_s": 30.0},
+    )  # fmt: skip
+    servers: list = []
+    async with Cluster(spec) as cluster, gateway(cluster.address, share_by="user", servers=servers) as base:
+        conns = servers[0].config.app.state.connections
+        assert conns.open == 1  # an idle gateway holds one connection
+        other = next(u for u in (f"bob-{i}" for i in range(100)) if conns.slot(conns.tenant("127.0.0.1", u))
+                     != conns.slot(conns.tenant("127.0.0.1", "alice")))  # fmt: skip
+        http = aiohttp.ClientSession()
+
+        async def ask(user: str, text: str) -> tuple[int, dict]:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "user": user}
+            async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+                return resp.status, await resp.json()
+
+        try:
+            tasks = [asyncio.create_task(ask("alice", "gate"))]
+            await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 1)
+            for i in range(2):
+                tasks.append(asyncio.create_task(ask("alice", f"queued {i}")))
+                await wait_stats(cluster.address, lambda s, n=i + 1: s["gauges"]["requests_queued"] == n)
+            status, body = await ask("alice", "one more")
+            assert status == 429 and body["error"]["code"] == "busy"  # full, for the user who filled it
+            theirs = asyncio.create_task(ask(other, "mine"))
+            status, body = await asyncio.wait_for(tasks[2], 10)  # alice's newest made room
+            assert status == 429 and "over its share of 1" in body["error"]["message"], body
+            s = await wait_stats(cluster.address, lambda s: s["counters"]["share_preemptions"] == 1)
+            assert s["gauges"]["requests_queued"] == 2 and not theirs.done() and not tasks[1].done()
+            slots = {conns.slot(conns.tenant("127.0.0.1", u)) for u in ("alice", other)}
+            assert conns.open == len(slots | {conns.slot("")})  # /health's, alice's and the other's
+            # a request that names no user counts against its address
+            assert conns.tenant("10.0.0.1", None) == conns.tenant("10.0.0.1", "") == "a:10.0.0.1"
+            for t in [*tasks[:2], theirs]:
+                t.cancel()
+            await asyncio.gather(*tasks, theirs, return_exceptions=True)
+        finally:
+            await http.close()
+
+
 def test_bad_gateway_settings_are_refused_before_anything_starts(tmp_path):
     import subprocess
     import sys
@@ -366,6 +414,13 @@ def test_bad_gateway_settings_are_refused_before_anything_starts(tmp_path):
         GatewayConfig("ipc:///x", port=70000)  # uvicorn would bind 70000 % 65536 and print 70000
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         GatewayConfig("ipc:///x", allow_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="share_by must be one of address, user, none, not 'ip'"):
+        GatewayConfig("ipc:///x", share_by="ip")
+    with pytest.raises(ValueError, match=r"share_connections must be in \[1, 64\]"):
+        GatewayConfig("ipc:///x", share_connections=0)
+    r = subprocess.run([sys.executable, "-m", "cli.main", "serve-http", "--share-by", "ip"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "--share-by must be one of" in r.stderr, r.stderr[-1500:]
     # `epdq up --http` starts the gateway last: its options are checked before any worker loads
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         ClusterSpec(address="ipc:///x", http="127.0.0.1:8000", http_options={"allow_dir": str(tmp_path / "missing")})
