@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP gateway in front of a broker.
 
 `/v1/chat/completions` (streaming SSE and not), `/v1/models` and `/health`, talking to the broker
-through `epdq.AsyncClient`s, its users spread over a few of them (`epdq.gateway_clients`). Images come as `image_url` parts: base64 `data:` URLs always;
-local files (`file://` URLs or plain paths) only under `GatewayConfig.allow_dir`; remote http(s)
-URLs only when `allow_remote_urls` is set.
+through `epdq.AsyncClient`s, its users spread over a few of them (`epdq.gateway_clients`). Images
+come as `image_url` parts: base64 `data:` URLs always; local files (`file://` URLs or plain paths)
+only under `GatewayConfig.allow_dir`; remote http(s) URLs only when `allow_remote_urls` is set.
 
 Typed epdq errors become HTTP statuses with an OpenAI-style body `{"error": {message, type, code}}`:
 busy -> 429 (+ Retry-After), invalid input -> 400, deadline -> 504, broker unavailable -> 503,
@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.client import MAX_TIMEOUT_S
 from epdq.errors import BrokerUnavailableError, ConfigError, DeadlineExceededError, EpdqError
-from epdq.gateway_clients import MAX_SHARE_CONNECTIONS, SHARE_BY, BrokerConnections
+from epdq.gateway_clients import BrokerConnections, check_share
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.metrics import GatewayMetrics
 from epdq.protocol import MAX_TOKENS_LIMIT
@@ -95,10 +95,7 @@ class GatewayConfig:
             raise ValueError(f"port must be 1..65535, not {self.port}")
         if self.allow_private_urls and not self.allow_remote_urls:
             raise ValueError("allow_private_urls widens allow_remote_urls, which is off")
-        if self.share_by not in SHARE_BY:
-            raise ValueError(f"share_by must be one of {', '.join(SHARE_BY)}, not {self.share_by!r}")
-        if not 1 <= self.share_connections <= MAX_SHARE_CONNECTIONS:
-            raise ValueError(f"share_connections must be in [1, {MAX_SHARE_CONNECTIONS}]")
+        check_share(self.share_by, self.share_connections)
         if self.allow_dir is not None and not os.path.isdir(self.allow_dir):
             # checked now: otherwise every local image would fail, one request at a time
             raise ValueError(f"allow_dir {self.allow_dir!r} does not exist or is not a directory")

@@ -23,14 +23,19 @@ MAX_SHARE_CONNECTIONS = 64
 _USER_CHARS = 256  # of a `user` field that are hashed: it is the caller's string, of any length
 
 
+def check_share(share_by: str, n: int) -> None:
+    """ValueError unless (`share_by`, `n`) is a setting `BrokerConnections` takes."""
+    if share_by not in SHARE_BY:
+        raise ValueError(f"share_by must be one of {', '.join(SHARE_BY)}, not {share_by!r}")
+    if not 1 <= n <= MAX_SHARE_CONNECTIONS:
+        raise ValueError(f"share_connections must be in [1, {MAX_SHARE_CONNECTIONS}]")
+
+
 class BrokerConnections:
     """Up to `n` `AsyncClient`s to one broker, made by `factory()` when first needed."""
 
     def __init__(self, factory: Any, share_by: str, n: int):
-        if share_by not in SHARE_BY:
-            raise ValueError(f"share_by must be one of {', '.join(SHARE_BY)}")
-        if not 1 <= n <= MAX_SHARE_CONNECTIONS:
-            raise ValueError(f"share_connections must be in [1, {MAX_SHARE_CONNECTIONS}]")
+        check_share(share_by, n)
         self._factory = factory
         self.share_by = share_by
         self.n = 1 if share_by == "none" else n
