@@ -1,5 +1,6 @@
-"""The scheduler's vocabulary: worker roles, the records it keeps (workers, encode jobs, index
-entries, requests and their states) and the decisions it hands the broker (`Send*`, `Fail`).
+"""The scheduler's vocabulary: worker roles, the records it keeps (workers, encode jobs, requests
+and their states; the index's entries are `epdq.embed_index`'s) and the decisions it hands the
+broker (`Send*`, `Fail`).
 
 Plain data, no logic: `epdq.scheduler` changes these records, `epdq.broker` turns the decisions
 into messages, and the cost-model simulation (`epdq.benchmarks.costmodel`) acts them out.
@@ -51,12 +52,6 @@ class EncodeJob:
     image: Any  # the image file bytes (a frame or bytes), kept for re-queueing
     attempts: int = 0
     worker: str | None = None
-
-
-@dataclass(slots=True)
-class IndexEntry:
-    ref: EmbedRef
-    pinned: bool = True  # encoders write new entries pinned
 
 
 @dataclass(slots=True)

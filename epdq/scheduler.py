@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from epdq.embed_index import EmbedIndex
 from epdq.errors import (
     BusyError,
     CancelledError,
@@ -34,7 +35,6 @@ from epdq.jobs import (
     Action,
     EncodeJob,
     Fail,
-    IndexEntry,
     ReqState,
     Request,
     Role,
@@ -48,6 +48,7 @@ from epdq.jobs import (
 from epdq.protocol import EmbedRef, EntryId
 from epdq.queue_share import QueueShares
 from epdq.ring_space import entry_span
+from epdq.worker_pool import WorkerPool
 
 
 @dataclass(slots=True)
@@ -91,12 +92,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = config or SchedulerConfig()
         self.clock = clock
-        self.workers: dict[str, WorkerState] = {}
-        self._role_count: dict[Role, int] = dict.fromkeys(Role, 0)
-        self._by_encoder: dict[str, set[bytes]] = {}  # encoder id -> index keys in its ring
-        self._free: dict[Role, deque[str]] = {r: deque() for r in Role}
+        self.pool = WorkerPool(self.cfg.locality_scan)
+        self.workers = self.pool.workers  # read-only here: changed through the pool
         self.requests: dict[str, Request] = {}
-        self.index: dict[bytes, IndexEntry] = {}
+        self.index = EmbedIndex()
         self.jobs: dict[bytes, EncodeJob] = {}  # key -> queued or running encode
         self._jobs_by_id: dict[int, EncodeJob] = {}
         self._encode_queue: deque[EncodeJob] = deque()
@@ -113,8 +112,6 @@ class Scheduler:
         # kept up to date at every change so that gauges() is O(1) however deep the queues are
         self._n_state: dict[ReqState, int] = dict.fromkeys(ReqState, 0)
         self._jobs_assigned = 0  # jobs in self.jobs held by an encoder
-        self._index_bytes = 0
-        self._index_pinned = 0
 
     # ------------------------------------------------------------ plumbing
 
@@ -128,40 +125,6 @@ class Scheduler:
     def _emit(self, action: Action) -> None:
         self._actions.append(action)
 
-    def _list_free(self, w: WorkerState) -> None:
-        if not w.listed and w.credit > 0 and w.worker_id in self.workers:
-            w.listed = True
-            self._free[w.role].append(w.worker_id)
-
-    def _pop_free(self, role: Role, prefer_node: str | None = None) -> WorkerState | None:
-        free = self._free[role]
-        if prefer_node is not None:
-            for i, wid in enumerate(free):
-                if i >= self.cfg.locality_scan:
-                    break
-                w = self.workers.get(wid)
-                if w is not None and w.node == prefer_node and w.credit > 0:
-                    del free[i]
-                    w.listed = False
-                    return w
-        while free:
-            w = self.workers.get(free.popleft())
-            if w is None:
-                continue
-            w.listed = False
-            if w.credit > 0:
-                return w
-        return None
-
-    def _take_slot(self, w: WorkerState, token: Any) -> None:
-        w.inflight.add(token)
-        self._list_free(w)  # back of the line: round robin among workers with credit
-
-    def _release_slot(self, w: WorkerState | None, token: Any) -> None:
-        if w is not None and token in w.inflight:
-            w.inflight.discard(token)
-            self._list_free(w)
-
     # ------------------------------------------------------------ workers
 
     def add_worker(
@@ -171,10 +134,7 @@ class Scheduler:
             raise InvalidInputError("worker capacity must be >= 1")
         if worker_id in self.workers:
             self.remove_worker(worker_id, "re-registered")
-        w = WorkerState(worker_id, Role(role), node, capacity, ring_capacity)
-        self.workers[worker_id] = w
-        self._role_count[w.role] += 1
-        self._list_free(w)
+        self.pool.add(WorkerState(worker_id, Role(role), node, capacity, ring_capacity))
         self.dispatch()
 
     def drain_worker(self, worker_id: str) -> bool:
@@ -187,18 +147,16 @@ class Scheduler:
             return False
         w.draining = True  # credit 0: never popped from the free list again
         if w.role is Role.ENCODER:
-            for key in list(self._by_encoder.get(worker_id, ())):
-                entry = self.index.get(key)
-                if entry is not None and not entry.pinned and entry.ref.encoder_id == worker_id:
+            for key in self.index.keys_of(worker_id):
+                if not self.index[key].pinned:
                     self._drop_entry(key)
         self.dispatch()
         return True
 
     def remove_worker(self, worker_id: str, reason: str = "lost") -> None:
-        w = self.workers.pop(worker_id, None)
+        w = self.pool.remove(worker_id)
         if w is None:
             return
-        self._role_count[w.role] -= 1
         if not (w.draining and not w.inflight):  # a drained worker leaving is planned, not lost
             self.counters["workers_lost"] += 1
         if w.role is Role.ENCODER:
@@ -208,9 +166,8 @@ class Scheduler:
                     job.worker = None
                     self._jobs_assigned -= 1
                     self._retry_encode(job, WorkerLostError(f"encoder {worker_id} {reason}"))
-            for key in list(self._by_encoder.pop(worker_id, ())):
-                if key in self.index and self.index[key].ref.encoder_id == worker_id:
-                    self._drop_entry(key)
+            for key in self.index.keys_of(worker_id):
+                self._drop_entry(key)
         else:
             for rid in list(w.inflight):
                 req = self.requests.get(rid)
@@ -305,7 +262,7 @@ class Scheduler:
             return route
         if route != "auto":
             raise InvalidInputError(f"unknown route {route!r}; use auto, epd or colocated")
-        n = self._role_count
+        n = self.pool.count
         if n[Role.BOTH] and not (n[Role.PD] and n[Role.ENCODER]):
             return "colocated"
         return "epd"
@@ -317,10 +274,8 @@ class Scheduler:
         if entry is not None:
             req.cache_hits += 1
             self.counters["cache_hits"] += 1
-            if not entry.pinned:
-                entry.pinned = True
-                self._index_pinned += 1
-                self._emit(SendPin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
+            if self.index.pin(entry):
+                self._emit(SendPin(entry.ref.encoder_id, [entry.entry_id()]))
             return
         req.pending.add(key)
         if key in self.jobs:
@@ -386,10 +341,8 @@ class Scheduler:
                 self._jobs_by_id.pop(job.job_id, None)
                 job.image = None
             entry = self.index.get(key)
-            if entry is not None and entry.pinned:
-                entry.pinned = False
-                self._index_pinned -= 1
-                self._emit(SendUnpin(entry.ref.encoder_id, [EntryId(key, entry.ref.generation)]))
+            if entry is not None and self.index.unpin(entry):
+                self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
 
     def _finish(self, req: Request, error: EpdqError | None = None) -> None:
         """End a request: release its references and slot; report `error` to the client."""
@@ -443,7 +396,7 @@ class Scheduler:
 
     def _missing(self, req: Request) -> str:
         """Why a request waited in vain when no registered worker could ever take it ("" otherwise)."""
-        n = self._role_count
+        n = self.pool.count
         if req.state is ReqState.WAITING and not n[Role.ENCODER]:
             return ": no encoder is registered"
         if req.state is ReqState.READY:
@@ -480,7 +433,7 @@ class Scheduler:
 
     def on_encoded(self, worker_id: str, job_id: int, ref: EmbedRef) -> None:
         w = self.workers.get(worker_id)
-        self._release_slot(w, job_id)
+        self.pool.release_slot(w, job_id)
         job = self._jobs_by_id.get(job_id)
         if job is None or job.worker != worker_id or ref.key != job.key:
             # a job re-queued meanwhile, or a confused worker: the entry is nobody's, let it go
@@ -505,10 +458,7 @@ class Scheduler:
         # an entry nobody waits for on a draining encoder is not cached: no new request may come
         # to depend on a ring that is going away
         if key not in self.index and (users or w is None or not w.draining):
-            self.index[key] = IndexEntry(ref, pinned=bool(users))
-            self._index_bytes += ref.nbytes
-            self._index_pinned += bool(users)
-            self._by_encoder.setdefault(ref.encoder_id, set()).add(key)
+            self.index.add(ref, pinned=bool(users))
         for rid in users:
             req = self.requests[rid]
             req.pending.discard(key)
@@ -517,7 +467,7 @@ class Scheduler:
         self.dispatch()
 
     def on_encode_failed(self, worker_id: str, job_id: int, code: str, message: str) -> None:
-        self._release_slot(self.workers.get(worker_id), job_id)
+        self.pool.release_slot(self.workers.get(worker_id), job_id)
         job = self._jobs_by_id.get(job_id)
         if job is None or job.worker != worker_id:
             self.dispatch()
@@ -551,10 +501,8 @@ class Scheduler:
         by_encoder: dict[str, list[EntryId]] = {}
         for key in dict.fromkeys(req.keys):
             entry = self.index.get(key)
-            if entry is not None and not entry.pinned:
-                entry.pinned = True
-                self._index_pinned += 1
-                by_encoder.setdefault(entry.ref.encoder_id, []).append(EntryId(key, entry.ref.generation))
+            if entry is not None and self.index.pin(entry):
+                by_encoder.setdefault(entry.ref.encoder_id, []).append(entry.entry_id())
         for encoder_id, ids in by_encoder.items():
             self._emit(SendPin(encoder_id, ids))  # one already evicted comes back as EVICTED
 
@@ -574,19 +522,19 @@ class Scheduler:
         mine = self.users.get(job.key, set())
         own = 0
         release: list[EntryId] = []
-        for key in self._by_encoder.get(worker_id, ()):
-            entry = self.index.get(key)
-            if entry is None or not entry.pinned:
+        for key in self.index.keys_of(worker_id):
+            entry = self.index[key]
+            if not entry.pinned:
                 continue
             users = self.users.get(key, ())
             if users & mine:
                 own += entry_span(entry.ref.nbytes)
             elif users and all(self.requests[r].state is ReqState.WAITING for r in users):
-                release.append(EntryId(key, entry.ref.generation))
+                release.append(entry.entry_id())
         if w.ring_capacity and own + entry_span(nbytes) > w.ring_capacity:
             job.worker = None
             self._jobs_assigned -= 1
-            self._release_slot(w, job_id)
+            self.pool.release_slot(w, job_id)
             self._fail_job(job, RingFullError(
                 f"the images of this request need {own + entry_span(nbytes)} bytes at once in encoder {worker_id}'s ring of "
                 f"{w.ring_capacity} bytes: send fewer or smaller images, or run encoders with a larger --ring-mb"
@@ -594,9 +542,7 @@ class Scheduler:
             self.dispatch()
             return
         for e in release:
-            entry = self.index[e.key]
-            entry.pinned = False
-            self._index_pinned -= 1
+            self.index.unpin(self.index[e.key])
         if release:
             self.counters["pins_released"] += len(release)
             self._emit(SendUnpin(worker_id, release))
@@ -615,12 +561,7 @@ class Scheduler:
 
     def _drop_entry(self, key: bytes) -> None:
         """Forget a resident entry; live requests that still need it go back to waiting."""
-        entry = self.index.pop(key)
-        self._index_bytes -= entry.ref.nbytes
-        self._index_pinned -= entry.pinned
-        owned = self._by_encoder.get(entry.ref.encoder_id)
-        if owned is not None:
-            owned.discard(key)
+        self.index.drop(key)
         for rid in self.users.get(key, ()):
             req = self.requests[rid]
             if req.state is ReqState.RUNNING:
@@ -637,18 +578,18 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None or req.worker != worker_id:
             if finished:
-                self._release_slot(self.workers.get(worker_id), rid)
+                self.pool.release_slot(self.workers.get(worker_id), rid)
                 self.dispatch()
             return None
         req.streamed = True
         if finished:
-            self._release_slot(self.workers.get(worker_id), rid)
+            self.pool.release_slot(self.workers.get(worker_id), rid)
             self._finish(req)
             self.dispatch()
         return req
 
     def on_pd_failed(self, worker_id: str, rid: str, code: str, message: str, stale: list[EntryId]) -> None:
-        self._release_slot(self.workers.get(worker_id), rid)
+        self.pool.release_slot(self.workers.get(worker_id), rid)
         if code == "cancelled":
             self.counters["aborts_confirmed"] += 1
         req = self.requests.get(rid)
@@ -698,7 +639,7 @@ class Scheduler:
     # ------------------------------------------------------------ dispatch
 
     def dispatch(self) -> None:
-        free = self._free
+        free = self.pool.free
         self._dispatch_encodes()
         ready = self._ready
         if ready["epd"] and free[Role.PD]:
@@ -709,7 +650,7 @@ class Scheduler:
 
     def _dispatch_encodes(self) -> None:
         q = self._encode_queue
-        free = self._free
+        free = self.pool.free
         while q and free[Role.ENCODER]:
             job = q[0]
             if (
@@ -722,7 +663,7 @@ class Scheduler:
                     self._jobs_by_id.pop(job.job_id)
                     self.jobs.pop(job.key, None)
                 continue
-            w = self._pop_free(Role.ENCODER)
+            w = self.pool.pop_free(Role.ENCODER)
             if w is None:
                 break
             q.popleft()
@@ -730,14 +671,14 @@ class Scheduler:
             self._jobs_assigned += 1
             job.attempts += 1
             heapq.heappush(self._leases, (self.clock() + self.cfg.encode_lease_s, job.job_id, job.attempts))
-            self._take_slot(w, job.job_id)
+            self.pool.take_slot(w, job.job_id)
             self._emit(SendEncode(w.worker_id, job))
 
     def _dispatch_ready(self, route: str, role: Role) -> bool:
         """Ready requests to free workers; True when one went back to waiting for an encode."""
         q = self._ready[route]
         requeued = False
-        while q and self._free[role]:
+        while q and self.pool.free[role]:
             req = self.requests.get(q[0])
             if req is None or req.state is not ReqState.READY:
                 q.popleft()
@@ -751,7 +692,7 @@ class Scheduler:
                 requeued = True
                 continue
             node = _majority_node(refs)
-            w = self._pop_free(role, node)
+            w = self.pool.pop_free(role, node)
             if w is None:
                 break
             q.popleft()
@@ -759,7 +700,7 @@ class Scheduler:
             req.worker = w.worker_id
             req.dispatched_at = self.clock()
             self._queue_out(req)
-            self._take_slot(w, req.rid)
+            self.pool.take_slot(w, req.rid)
             if refs:
                 remote = any(r.node != w.node for r in refs)
                 self.counters["remote_handoffs" if remote else "local_handoffs"] += 1
@@ -780,8 +721,8 @@ class Scheduler:
             "encode_queue": len(self.jobs) - self._jobs_assigned,
             "encodes_inflight": self._jobs_assigned,
             "index_entries": len(self.index),
-            "index_bytes": self._index_bytes,
-            "index_pinned": self._index_pinned,
+            "index_bytes": self.index.nbytes,
+            "index_pinned": self.index.pinned,
         }
 
     def gauges_by_scan(self) -> dict[str, float]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from epdq.benchmarks.report import Progress, check_out_dir, percentile, table, write_json
-from epdq.jobs import IndexEntry, Role, SendEncode, SendPrefill
+from epdq.jobs import Role, SendEncode, SendPrefill
 from epdq.protocol import EmbedRef
 from epdq.scheduler import Scheduler, SchedulerConfig
 
@@ -211,7 +211,7 @@ def run(
     small.add_worker("e", Role.ENCODER, "n", 8)
     small.add_worker("x", Role.ENCODER, "n", 8)
     for i in range(1000):
-        small.index[b"k%d" % i] = IndexEntry(_ref(b"k%d" % i, "x", "n"), False)
+        small.index.add(_ref(b"k%d" % i, "x", "n"), pinned=False)
     probes["remove_encoder_index_1k_ms"] = _probe(lambda: (small.add_worker("e", Role.ENCODER, "n", 8),
                                                            small.remove_worker("e"))) * 1e3  # fmt: skip
 
