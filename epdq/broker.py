@@ -23,7 +23,7 @@ from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, Pr
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
 from epdq.media import MAX_IMAGE_BYTES_LIMIT, image_key, sniff_format
-from epdq.metrics import Histogram, MetricsServer, render_family
+from epdq.metrics import Histogram, MetricsServer, render_broker_metrics
 from epdq.scheduler import Scheduler, SchedulerConfig
 from epdq.security import WORKER_KEY_GLOB, authenticator_for, curve_required, load_worker_keys
 from epdq.transport import (
@@ -402,30 +402,7 @@ class Broker:
         return None if self.scheduler.workers else "no workers"
 
     def render_metrics(self) -> str:
-        s = self.stats()
-        out: list[str] = []
-        for name, value in sorted(s.counters.items()):
-            out += render_family(f"epdq_{name}_total", "counter", name.replace("_", " "), [({}, value)])
-        for name, value in sorted(s.gauges.items()):
-            if not name.startswith("workers_"):
-                metric = name.removesuffix("_s") + "_seconds" if name.endswith("_s") else name  # Prometheus units
-                out += render_family(f"epdq_{metric}", "gauge", name.replace("_", " "), [({}, value)])
-        roles = ("encoder", "pd", "both")
-        states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full", "draining")}
-        for w in s.workers:
-            st = "idle" if w.inflight == 0 else ("full" if w.inflight >= w.capacity else "busy")
-            st = "draining" if w.draining else st
-            states[(w.role, st)] += 1
-        out += render_family("epdq_workers", "gauge", "registered workers by role and state",
-                             [({"role": r, "state": st}, v) for (r, st), v in states.items()])  # fmt: skip
-        rings = [w for w in s.workers if w.ring_capacity]
-        for metric, field in (("ring_used_bytes", "ring_used"), ("ring_pinned_bytes", "ring_pinned"),
-                              ("ring_capacity_bytes", "ring_capacity")):  # fmt: skip
-            out += render_family(f"epdq_{metric}", "gauge", f"bytes {field.removeprefix('ring_')} in each encoder's ring",
-                                 [({"worker": w.worker_id}, getattr(w, field)) for w in rings])  # fmt: skip
-        for h in self.hist.values():
-            out += h.render()
-        return "\n".join(out) + "\n"
+        return render_broker_metrics(self.stats(), self.hist.values())
 
     # worker messages
 

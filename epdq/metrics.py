@@ -10,7 +10,11 @@ import asyncio
 import bisect
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epdq.protocol import Stats
 
 log = logging.getLogger("epdq.metrics")
 
@@ -52,6 +56,34 @@ def render_family(name: str, kind: str, help: str, samples: list[tuple[dict[str,
         lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
         out.append(f"{name}{{{lab}}} {_num(value)}" if lab else f"{name} {_num(value)}")
     return out
+
+
+def render_broker_metrics(s: Stats, histograms: Iterable[Histogram]) -> str:
+    """The broker's /metrics page: its counters and gauges (`Broker.stats`), workers by role and
+    state, each encoder's ring, and the latency histograms."""
+    out: list[str] = []
+    for name, value in sorted(s.counters.items()):
+        out += render_family(f"epdq_{name}_total", "counter", name.replace("_", " "), [({}, value)])
+    for name, value in sorted(s.gauges.items()):
+        if not name.startswith("workers_"):
+            metric = name.removesuffix("_s") + "_seconds" if name.endswith("_s") else name  # Prometheus units
+            out += render_family(f"epdq_{metric}", "gauge", name.replace("_", " "), [({}, value)])
+    roles = ("encoder", "pd", "both")
+    states = {(r, st): 0 for r in roles for st in ("idle", "busy", "full", "draining")}
+    for w in s.workers:
+        st = "idle" if w.inflight == 0 else ("full" if w.inflight >= w.capacity else "busy")
+        st = "draining" if w.draining else st
+        states[(w.role, st)] += 1
+    out += render_family("epdq_workers", "gauge", "registered workers by role and state",
+                         [({"role": r, "state": st}, v) for (r, st), v in states.items()])  # fmt: skip
+    rings = [w for w in s.workers if w.ring_capacity]
+    for metric, field in (("ring_used_bytes", "ring_used"), ("ring_pinned_bytes", "ring_pinned"),
+                          ("ring_capacity_bytes", "ring_capacity")):  # fmt: skip
+        out += render_family(f"epdq_{metric}", "gauge", f"bytes {field.removeprefix('ring_')} in each encoder's ring",
+                             [({"worker": w.worker_id}, getattr(w, field)) for w in rings])  # fmt: skip
+    for h in histograms:
+        out += h.render()
+    return "\n".join(out) + "\n"
 
 
 def _num(value: float) -> str:
