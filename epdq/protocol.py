@@ -21,13 +21,17 @@ from epdq.errors import ProtocolError
 
 # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN;
 # 5: PING carries the client's requests in flight, PONG those the broker does not hold; RING_BLOCKED; BYE refused
-# 6: BATCH packs its small frames into one (Batch.sizes)
-PROTOCOL_VERSION = 6
+# 6: BATCH packs its small frames into one (Batch.sizes); 7: FETCHED carries an entry in several frames (fetch_chunks)
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
 MAX_TOKENS_LIMIT = 32768  # a request's max_tokens; the broker refuses more
 MAX_PAYLOAD_FRAMES = 64
+# A FETCHED's frames (fetch_chunks): a receiver allocates every frame afresh, and glibc maps
+# allocations of 32 MiB and more anew each time, so one 32 MiB frame paid its page faults on every
+# fetch (loopback tcp here: 32 MiB in 4 MiB frames took half the time of one frame).
+FETCH_CHUNK_BYTES = 4 << 20
 
 
 class MsgType(IntEnum):
@@ -339,8 +343,16 @@ class Fetch(_S):
 
 class Fetched(_S):
     nonce: int
-    code: str = ""  # "" on success, then one payload frame follows
+    code: str = ""  # "" on success, then the entry's bytes follow in `frames` frames (fetch_chunks)
     message: str = ""
+    frames: int = 1
+
+
+def fetch_chunks(nbytes: int) -> list[tuple[int, int]]:
+    """(start, size) of each payload frame of a FETCHED carrying `nbytes`, in order: frames of
+    FETCH_CHUNK_BYTES, larger only where MAX_PAYLOAD_FRAMES would not hold them; one frame at least."""
+    size = max(FETCH_CHUNK_BYTES, -(-nbytes // MAX_PAYLOAD_FRAMES))
+    return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)] or [(0, 0)]
 
 
 MAX_BATCH = 4096
@@ -487,7 +499,7 @@ def payload_count(msg: _S) -> int:
     if isinstance(msg, Encode):
         return 1
     if isinstance(msg, Fetched):
-        return 1 if msg.code == "" else 0
+        return msg.frames if msg.code == "" else 0
     return 0
 
 

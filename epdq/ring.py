@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
+from epdq.protocol import fetch_chunks
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
 from epdq.transport import pid_alive as _pid_alive  # one liveness test for segments and socket files
 
@@ -245,8 +246,9 @@ class RingWriter:
             self._evicted.clear()
             return len(victims)
 
-    def read_bytes(self, offset: int, nbytes: int, key: bytes, generation: int) -> bytes:
-        """Copy an entry out for a fetch from another node; StaleEmbeddingError if it changed."""
+    def read_chunks(self, offset: int, nbytes: int, key: bytes, generation: int) -> list[bytes]:
+        """Copy an entry out for a fetch from another node, in the frames of its answer
+        (`protocol.fetch_chunks`); StaleEmbeddingError if it changed."""
         _check_key(key, ProtocolError)  # these come from another node's message
         with self._lock:
             self._check_open()
@@ -255,8 +257,9 @@ class RingWriter:
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
             if not e.published:
                 raise EntryPending(f"entry {key.hex()}@{generation} is still being written")
-        data = self._mm[offset : offset + nbytes]
-        if not _header_ok(self._mm, offset - HEADER_BYTES, key, generation, nbytes):
+        mm = self._mm
+        data = [mm[offset + start : offset + start + size] for start, size in fetch_chunks(nbytes)]
+        if not _header_ok(mm, offset - HEADER_BYTES, key, generation, nbytes):
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} was overwritten while copied")
         return data
 

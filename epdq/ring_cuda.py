@@ -173,8 +173,9 @@ class CudaRingWriter(RingWriter):
                 check_cuda_ring(self.name, self._export)
             return self._export
 
-    def read_bytes(self, offset: int, nbytes: int, key: bytes, generation: int) -> memoryview:
-        """Copy an entry to host memory for a fetch from another GPU or node; StaleEmbeddingError if gone."""
+    def read_chunks(self, offset: int, nbytes: int, key: bytes, generation: int) -> list[memoryview]:
+        """Copy an entry to host memory for a fetch from another GPU or node, in the frames of its
+        answer (`protocol.fetch_chunks`); StaleEmbeddingError if gone."""
         _check_key(key, ProtocolError)
         with self._lock:
             self._check_open()
@@ -184,12 +185,14 @@ class CudaRingWriter(RingWriter):
             if not e.published:
                 raise EntryPending(f"entry {key.hex()}@{generation} is still being written")
             # under the lock no write can start, and every write is finished when it releases it
-            out = torch.empty(nbytes, dtype=torch.uint8)
+            chunks = P.fetch_chunks(nbytes)
+            out = [torch.empty(size, dtype=torch.uint8) for _, size in chunks]
             with _stream_ctx(self._stream):
-                out.copy_(self._buf[offset : offset + nbytes])  # type: ignore[index]
+                for (start, size), o in zip(chunks, out, strict=True):
+                    o.copy_(self._buf[offset + start : offset + start + size])  # type: ignore[index]
             if self._stream is not None:
                 self._stream.synchronize()
-        return memoryview(out.numpy())
+        return [memoryview(o.numpy()) for o in out]
 
     def close(self, unlink: bool = True) -> None:  # noqa: ARG002 - same signature as RingWriter.close
         with self._lock:

@@ -28,6 +28,7 @@ from typing import Any
 
 from epdq.benchmarks.report import Progress
 from epdq.cluster import die_with_parent
+from epdq.launch import keep_large_buffers
 
 HIDDEN = 3584  # Qwen2.5-VL-7B hidden size
 MIB = 1 << 20
@@ -241,6 +242,7 @@ def _child() -> None:
     import torch
 
     torch.set_num_threads(1)  # a 2-thread pool made copies ~25x slower on a busy 2-core machine
+    keep_large_buffers()  # as the encoder and PD worker processes do (epdq.launch)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2 and role in ("writer", "reader"):
         os.sched_setaffinity(0, {cpus[0] if role == "writer" else cpus[1]})

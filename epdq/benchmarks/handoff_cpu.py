@@ -231,7 +231,7 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
 
     from epdq import protocol as P
     from epdq.ring_reader import RingReader
-    from epdq.worker.pd import RemoteFetcher
+    from epdq.worker.pd import RemoteFetcher, from_chunks
 
     now = time.perf_counter_ns
     setup = _read_setup(note_fd)
@@ -294,7 +294,7 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
                     data = loop.run_until_complete(fetchers[method].fetch(ref))
                     mid = now()
                     out = pool.slot(size, slot)
-                    out.copy_(torch.frombuffer(data, dtype=dtype).view(shape))  # as PDWorker._gather
+                    from_chunks(data, dtype, list(shape), out)  # as PDWorker._gather
                     done = now()
                     del data
                 faults = _faults() - f0

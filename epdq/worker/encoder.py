@@ -365,14 +365,14 @@ class EncoderWorker:
         if not isinstance(msg, P.Fetch):
             return
         try:
-            data = self.ring.read_bytes(msg.offset, msg.nbytes, msg.key, msg.generation)
+            chunks = self.ring.read_chunks(msg.offset, msg.nbytes, msg.key, msg.generation)
         except (StaleEmbeddingError, EpdqError) as e:
             self._reply([ident, *P.encode(P.Fetched(msg.nonce, e.code, e.message))])
             return
         except Exception as e:  # bad offsets from a confused peer must not kill the encoder
             self._reply([ident, *P.encode(P.Fetched(msg.nonce, "invalid_input", str(e)[:200]))])
             return
-        self._reply([ident, *P.encode(P.Fetched(msg.nonce)), data], copy=False)
+        self._reply([ident, *P.encode(P.Fetched(msg.nonce, frames=len(chunks))), *chunks], copy=False)
 
     def _reply(self, frames: list[Any], copy: bool = True) -> None:
         assert self._fetch is not None

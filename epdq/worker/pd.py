@@ -89,7 +89,7 @@ class RemoteFetcher:
 
     def _on_frames(self, frames: list[Any]) -> None:
         try:
-            msg, payload = P.decode(frames, max_payload_frames=1)
+            msg, payload = P.decode(frames, max_payload_frames=P.MAX_PAYLOAD_FRAMES)
         except ProtocolError:
             return
         if isinstance(msg, P.Fetched):
@@ -97,7 +97,8 @@ class RemoteFetcher:
             if fut is not None and not fut.done():
                 fut.set_result((msg, payload))
 
-    async def fetch(self, ref: P.EmbedRef) -> memoryview:
+    async def fetch(self, ref: P.EmbedRef) -> list[memoryview]:
+        """The entry's bytes, in the frames they came in (`from_chunks` makes them a tensor)."""
         nonce = next(self._nonce)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[nonce] = fut
@@ -121,15 +122,33 @@ class RemoteFetcher:
             self._waiters.pop(nonce, None)
         if msg.code:
             raise StaleEmbeddingError(f"remote fetch failed: {msg.code}: {msg.message}")
-        data = payload[0].buffer if hasattr(payload[0], "buffer") else memoryview(payload[0])
-        if data.nbytes != ref.nbytes:
+        chunks = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in payload]
+        if not chunks or sum(c.nbytes for c in chunks) != ref.nbytes:
             raise StaleEmbeddingError("remote fetch returned the wrong number of bytes")
-        return data
+        return chunks
 
     def close(self) -> None:
         for ch in self._channels.values():
             ch.close()
         self._channels.clear()
+
+
+def from_chunks(
+    chunks: list[memoryview], dtype: torch.dtype, shape: list[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A fetched entry as a tensor of `shape`: its one frame itself (no copy) when no `out` is given,
+    else its frames copied in order into `out` (contiguous), or into a new tensor."""
+    if out is None and len(chunks) == 1:
+        return torch.frombuffer(chunks[0], dtype=dtype).view(shape)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1).view(torch.uint8)
+    pos = 0
+    for c in chunks:
+        if c.nbytes:
+            flat[pos : pos + c.nbytes].copy_(torch.frombuffer(c, dtype=torch.uint8))
+            pos += c.nbytes
+    return out
 
 
 class PDWorker:
@@ -406,8 +425,7 @@ class PDWorker:
                 await self._read_local(r, dtype, out)
                 self.local_reads += 1
             else:
-                data = await self.fetcher.fetch(r)
-                out.copy_(torch.frombuffer(data, dtype=dtype).view(r.shape))
+                from_chunks(await self.fetcher.fetch(r), dtype, r.shape, out)
                 self.remote_reads += 1
             first[ident] = out
         return embeds, grid, None
@@ -455,8 +473,7 @@ class PDWorker:
                 host[ident] = await self._read_local(r, dtype)
                 self.local_reads += 1
             else:
-                data = await self.fetcher.fetch(r)
-                host[ident] = torch.frombuffer(data, dtype=dtype).view(r.shape)
+                host[ident] = from_chunks(await self.fetcher.fetch(r), dtype, r.shape)
                 self.remote_reads += 1
         rd = self.cuda_reader
         embeds = rd.empty((sum(r.shape[0] for r in refs), hidden), dtype)

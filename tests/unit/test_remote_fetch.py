@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 import zmq
 
 from epdq import protocol as P
@@ -71,3 +73,66 @@ async def test_a_link_zeromq_gave_up_is_a_fetch_failure_not_a_traceback(make_fet
 async def test_an_endpoint_this_worker_cannot_use_fails_the_fetch_not_the_client(make_fetcher, endpoint, match):
     with pytest.raises(FetchFailedError, match=match):
         await make_fetcher(timeout_s=1, security=SecurityConfig(insecure_ok=True)).fetch(ref(endpoint))
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "sizes"),
+    [
+        (0, [0]),
+        (16, [16]),
+        (P.FETCH_CHUNK_BYTES, [P.FETCH_CHUNK_BYTES]),
+        (P.FETCH_CHUNK_BYTES + 1, [P.FETCH_CHUNK_BYTES, 1]),
+        (512 << 20, [8 << 20] * 64),  # frames grow rather than exceed MAX_PAYLOAD_FRAMES
+        ((512 << 20) + 64, [(8 << 20) + 1] * 64),
+    ],
+)
+def test_fetch_chunks_cover_the_entry_in_order_within_the_frame_limit(nbytes, sizes):
+    chunks = P.fetch_chunks(nbytes)
+    assert [size for _, size in chunks] == sizes and len(chunks) <= P.MAX_PAYLOAD_FRAMES
+    assert [start for start, _ in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert sum(sizes) == nbytes
+
+
+async def test_a_large_entry_comes_in_several_frames_and_lands_whole(make_fetcher):
+    from epdq.ring import RingWriter
+    from epdq.worker.encoder import EncoderWorker
+    from epdq.worker.pd import from_chunks
+
+    rows, hidden = (9 << 20) // (4 * 1024) + 3, 1024  # 9 MiB and a bit: three frames
+    t = torch.arange(rows * hidden, dtype=torch.float32).view(rows, hidden)
+    ctx = zmq.Context()
+    with RingWriter(32 << 20, owner_tag="fetchtest") as ring:
+        enc = EncoderWorker(
+            None, ring, worker_id="enc-far", node="node-a", max_image_bytes=1, max_image_pixels=1,
+            fetch_bind="tcp://127.0.0.1:*", ctx=ctx, security=None,
+        )  # fmt: skip
+        try:
+            endpoint = enc.open_fetch_socket()
+            enc.start()
+            k = b"f" * 16
+            loc = ring.write(k, t)
+            r = P.EmbedRef(k, "enc-far", "node-a", ring.name, loc.offset, loc.nbytes, loc.generation,
+                           "float32", [rows, hidden], [1, 2, 2], endpoint)  # fmt: skip
+            chunks = await make_fetcher(timeout_s=10).fetch(r)
+            assert [c.nbytes for c in chunks] == [size for _, size in P.fetch_chunks(t.nbytes)]
+            assert len(chunks) == 3
+            assert torch.equal(from_chunks(chunks, torch.float32, [rows, hidden]), t)
+            embeds = torch.zeros(rows + 2, hidden)
+            from_chunks(chunks, torch.float32, [rows, hidden], embeds[1 : rows + 1])  # as PDWorker._gather
+            assert torch.equal(embeds[1 : rows + 1], t) and not embeds[0].any() and not embeds[-1].any()
+            wrong = P.EmbedRef(k, "enc-far", "node-a", ring.name, loc.offset, 4096, loc.generation,
+                               "float32", [1, 1024], [1, 2, 2], endpoint)  # fmt: skip
+            with pytest.raises(StaleEmbeddingError):  # not the entry's size: refused by the encoder
+                await make_fetcher(timeout_s=10).fetch(wrong)
+            # an entry in one frame: the tensor is that frame, not a copy of it
+            k1 = b"g" * 16
+            one = torch.arange(4096, dtype=torch.float32).view(4, 1024)
+            loc1 = ring.write(k1, one)
+            r1 = P.EmbedRef(k1, "enc-far", "node-a", ring.name, loc1.offset, loc1.nbytes, loc1.generation,
+                            "float32", [4, 1024], [1, 2, 2], endpoint)  # fmt: skip
+            (frame,) = await make_fetcher(timeout_s=10).fetch(r1)
+            got = from_chunks([frame], torch.float32, [4, 1024])
+            assert torch.equal(got, one) and got.data_ptr() == np.frombuffer(frame, np.uint8).ctypes.data
+        finally:
+            enc.close()
+    ctx.destroy(linger=0)

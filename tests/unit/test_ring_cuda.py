@@ -186,7 +186,7 @@ def test_write_then_read_exact_bytes(cpu_ring):
         assert loc.offset % 64 == 0 and loc.nbytes == t.numel() * t.element_size()
         got = r.read(ref_for(w.name, k, loc, t, None), dtype)
         assert torch.equal(got, t)
-        assert bytes(w.read_bytes(loc.offset, loc.nbytes, k, loc.generation)) == t.view(torch.uint8).numpy().tobytes()
+        assert b"".join(w.read_chunks(loc.offset, loc.nbytes, k, loc.generation)) == t.view(torch.uint8).numpy().tobytes()
     assert w.entry_count == 3 and w.pinned_bytes == w.used_bytes
 
 
@@ -201,7 +201,7 @@ def test_reserve_then_fill_as_the_shm_ring_does(cpu_ring):
     with pytest.raises(StaleEmbeddingError):  # not in yet: neither read nor fetched
         r.read(ref_for(w.name, k, loc, t, None), torch.float32)
     with pytest.raises(StaleEmbeddingError):
-        w.read_bytes(loc.offset, loc.nbytes, k, loc.generation)
+        w.read_chunks(loc.offset, loc.nbytes, k, loc.generation)
     assert w.fill(k, loc.generation, t)
     assert torch.equal(r.read(ref_for(w.name, k, loc, t, None), torch.float32), t)
     with pytest.raises(ValueError):  # a fill of the wrong size drops the entry and reports it
@@ -238,7 +238,7 @@ def test_overwritten_entry_is_stale_for_the_reader(cpu_ring):
     with pytest.raises(StaleEmbeddingError):
         r.read(ref1, torch.float32)
     with pytest.raises(StaleEmbeddingError):
-        w.read_bytes(loc1.offset, loc1.nbytes, k1, loc1.generation)
+        w.read_chunks(loc1.offset, loc1.nbytes, k1, loc1.generation)
 
 
 def test_reader_validates_what_came_from_the_wire(cpu_ring):
@@ -376,7 +376,7 @@ def test_gpu_ring_in_process_round_trip():
         ref = ref_for(w.name, k, loc, t, None)
         got = r.finish(r.read(ref, torch.bfloat16))
         assert got.device == torch.device("cuda:0") and torch.equal(got, t)
-        assert bytes(w.read_bytes(loc.offset, loc.nbytes, k, loc.generation)) == t.cpu().view(torch.uint8).numpy().tobytes()
+        assert b"".join(w.read_chunks(loc.offset, loc.nbytes, k, loc.generation)) == t.cpu().view(torch.uint8).numpy().tobytes()
         host = torch.randn(10, 2048).to(torch.bfloat16)  # a CPU tensor goes up once
         lh = w.write(key(9), host)
         assert torch.equal(r.read(ref_for(w.name, key(9), lh, host, None), torch.bfloat16).cpu(), host)
