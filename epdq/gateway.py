@@ -514,9 +514,11 @@ def run(config: GatewayConfig) -> None:
 
     SIGTERM stops the gateway gracefully and the process exits 0, as every epdq process does
     after a drain (`epdq up` restarts such a child without counting it as a crash)."""
+    from epdq.launch import keep_large_buffers
     from epdq.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    keep_large_buffers()  # request bodies and the images in them: up to tens of MiB each
     from epdq.client import AsyncClient
 
     # the broker address and keys, checked now: the app builds its client only once uvicorn runs,
