@@ -80,6 +80,10 @@ def broker(
     liveness: int = typer.Option(5, help="Missed heartbeats before a worker is declared dead."),
     client_liveness: float = typer.Option(10.0, help="Seconds a client with live requests may stay silent."),
     encode_lease: float = typer.Option(60.0, help="Seconds an encoder may hold a job before it is re-queued."),
+    unpin_delay: float = typer.Option(
+        0.05, help="Seconds a ring entry stays pinned after the last request using it ends (a reuse meanwhile "
+        "costs the encoder no message); a full ring gets its unpins at once."
+    ),
     metrics: str = typer.Option("", help="HOST:PORT for Prometheus /metrics and /health (off when empty)."),
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
@@ -104,7 +108,7 @@ def broker(
             max_image_bytes=int(max_image_mb * 2**20), max_held_image_bytes=int(max_held_image_mb * 2**20),
             default_timeout_s=timeout, heartbeat_s=heartbeat,
             liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
-            metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
+            unpin_delay_s=unpin_delay, metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
             drain_timeout_s=drain_timeout,
         )  # fmt: skip
     except ValueError as e:
@@ -116,7 +120,7 @@ def broker(
 _FLAGS = {
     "max_queued_requests": "--max-queued", "max_images_per_request": "--max-images", "default_timeout_s": "--timeout",
     "heartbeat_s": "--heartbeat", "liveness": "--liveness", "client_liveness_s": "--client-liveness",
-    "encode_lease_s": "--encode-lease", "drain_timeout_s": "--drain-timeout", "metrics_address": "--metrics",
+    "encode_lease_s": "--encode-lease", "unpin_delay_s": "--unpin-delay", "drain_timeout_s": "--drain-timeout", "metrics_address": "--metrics",
     "max_image_bytes": "--max-image-mb (in bytes)", "max_held_image_bytes": "--max-held-image-mb (in bytes)", "fetch_bind": "--fetch-bind", "fetch_advertise": "--fetch-advertise",
     "allow_private_urls": "--allow-private-urls",
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",

@@ -42,6 +42,9 @@ _ZERO_COPY_BYTES = 64 * 1024  # smaller payloads are copied by ZeroMQ anyway
 # than growing the broker's memory without end. A reading peer's ZeroMQ I/O thread keeps taking
 # them even while its event loop is busy, so only a stopped or unreachable one ever gets near it.
 PEER_SEND_HWM = 10_000
+# Entries named in one PIN or UNPIN (an EntryId packs to ~25 bytes): a ring under pressure may release
+# a great many at once, and one message must stay far below protocol.MAX_HEADER_BYTES.
+ENTRIES_PER_MESSAGE = 4096
 # Lost request ids a PONG names at most (the client learns of the others at its next pings): a PONG
 # echoes what the PING listed, and the ids of a client that never reads would pile up here.
 MAX_PONG_UNKNOWN = 256
@@ -61,6 +64,9 @@ class BrokerConfig:
     busy_retry_after_s: float = 0.5
     client_liveness_s: float = 10.0  # a client with live requests silent this long is gone
     encode_lease_s: float = 60.0  # an encode job not finished in this time is re-queued
+    # an encoder is told a ring entry is free this long after the last request that used it ends
+    # (at the next tick): an image asked for again meanwhile costs the encoder no message
+    unpin_delay_s: float = 0.05
     # cache-key scope; when empty, adopted from the first encoder (and from the next one once every
     # encoder of that scope has left); when set, encoders of any other scope are refused
     scope: str = ""
@@ -102,6 +108,8 @@ class BrokerConfig:
             raise ValueError(f"client_liveness_s must be in (0, 86400] s, got {self.client_liveness_s}")
         if not 0 < self.encode_lease_s <= 86400:
             raise ValueError(f"encode_lease_s must be in (0, 86400] s, got {self.encode_lease_s}")
+        if not 0 <= self.unpin_delay_s <= 60:
+            raise ValueError(f"unpin_delay_s must be in [0, 60] s, got {self.unpin_delay_s}")
         if not 0 <= self.busy_retry_after_s <= 3600:
             raise ValueError("busy_retry_after_s must be in [0, 3600]")
         if not 0 <= self.drain_timeout_s <= 3600:
@@ -130,6 +138,7 @@ class Broker:
                 busy_retry_after_s=self.cfg.busy_retry_after_s,
                 max_timeout_s=self.cfg.max_timeout_s,
                 encode_lease_s=self.cfg.encode_lease_s,
+                unpin_delay_s=self.cfg.unpin_delay_s,
             )
         )
         self.broker_id = uuid.uuid4().hex
@@ -585,9 +594,11 @@ class Broker:
             elif kind is SendPrefill:
                 self._send_prefill(a.worker_id, a.request, a.refs)
             elif isinstance(a, SendPin):
-                self._send_worker(a.worker_id, P.Pin(a.entries))
+                for i in range(0, len(a.entries), ENTRIES_PER_MESSAGE):
+                    self._send_worker(a.worker_id, P.Pin(a.entries[i : i + ENTRIES_PER_MESSAGE]))
             elif isinstance(a, SendUnpin):
-                self._send_worker(a.worker_id, P.Unpin(a.entries))
+                for i in range(0, len(a.entries), ENTRIES_PER_MESSAGE):
+                    self._send_worker(a.worker_id, P.Unpin(a.entries[i : i + ENTRIES_PER_MESSAGE]))
             elif isinstance(a, SendAbort):
                 self._send_worker(a.worker_id, P.Abort(a.rid))
             elif isinstance(a, Fail):

@@ -6,6 +6,9 @@ whole thing is unit-tested and simulated with thousands of workers in-process.
 
 Ring entries are pinned while any live request (waiting, ready or running) references them;
 the scheduler tells the owning encoder when a pin starts (`SendPin`) and ends (`SendUnpin`).
+A pin outlives its last request by `unpin_delay_s` (it *lingers*): an image asked for again
+meanwhile costs its encoder no PIN and UNPIN, and the unpins of many requests leave together.
+An encoder whose ring is full, or that drains, gets its lingering unpins at once.
 Unpinned entries stay in the index for cache hits until the encoder reports them evicted.
 """
 
@@ -18,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from epdq.embed_index import EmbedIndex
+from epdq.embed_index import EmbedIndex, IndexEntry
 from epdq.errors import (
     BusyError,
     CancelledError,
@@ -61,6 +64,8 @@ class SchedulerConfig:
     max_timeout_s: float = 3600.0
     locality_scan: int = 64  # free PD workers examined for one on the embeddings' node
     encode_lease_s: float = 60.0  # an encoder holding a job longer than this loses it
+    # a pin no request holds any more is released this long after (at the next expire()); 0: at once
+    unpin_delay_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1 or self.max_held_image_bytes < 1:
@@ -69,6 +74,8 @@ class SchedulerConfig:
             raise ValueError("attempt caps must be >= 1")
         if not self.encode_lease_s > 0:  # "not >": NaN fails too
             raise ValueError("encode_lease_s must be > 0")
+        if not 0 <= self.unpin_delay_s <= 60:
+            raise ValueError("unpin_delay_s must be in [0, 60]")
         if not (self.busy_retry_after_s >= 0 and self.max_timeout_s > 0):
             raise ValueError("retry hint must be >= 0 and max timeout > 0")
 
@@ -84,7 +91,7 @@ COUNTERS = (
     "cache_hits", "cache_misses", "dedup_joins", "evictions", "stale_reads", "fetch_failures", "pd_requeues",
     "workers_lost",
     "local_handoffs", "remote_handoffs", "aborts_confirmed", "leases_expired", "ring_blocks", "pins_released",
-    "share_preemptions",
+    "share_preemptions", "pins_reused",
 )  # fmt: skip
 
 
@@ -112,6 +119,10 @@ class Scheduler:
         # kept up to date at every change so that gauges() is O(1) however deep the queues are
         self._n_state: dict[ReqState, int] = dict.fromkeys(ReqState, 0)
         self._jobs_assigned = 0  # jobs in self.jobs held by an encoder
+        # pinned entries no live request holds, until their unpin leaves: key -> (since, key, entry);
+        # the queue holds the same records in time order (a record no longer in the dict is skipped)
+        self._lingering: dict[bytes, tuple[float, bytes, IndexEntry]] = {}
+        self._linger_queue: deque[tuple[float, bytes, IndexEntry]] = deque()
 
     # ------------------------------------------------------------ plumbing
 
@@ -147,6 +158,7 @@ class Scheduler:
             return False
         w.draining = True  # credit 0: never popped from the free list again
         if w.role is Role.ENCODER:
+            self._unpin_lingering_of(worker_id)
             for key in self.index.keys_of(worker_id):
                 if not self.index[key].pinned:
                     self._drop_entry(key)
@@ -274,7 +286,9 @@ class Scheduler:
         if entry is not None:
             req.cache_hits += 1
             self.counters["cache_hits"] += 1
-            if self.index.pin(entry):
+            if self._lingering and self._lingering.pop(key, None) is not None:
+                self.counters["pins_reused"] += 1  # still pinned: nothing to tell the encoder
+            elif self.index.pin(entry):
                 self._emit(SendPin(entry.ref.encoder_id, [entry.entry_id()]))
             return
         req.pending.add(key)
@@ -341,8 +355,48 @@ class Scheduler:
                 self._jobs_by_id.pop(job.job_id, None)
                 job.image = None
             entry = self.index.get(key)
-            if entry is not None and self.index.unpin(entry):
-                self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
+            if entry is not None and entry.pinned:
+                self._release_pin(key, entry)
+
+    def _release_pin(self, key: bytes, entry: IndexEntry) -> None:
+        """The last live request holding `entry` is gone: unpin it now, or let the pin linger."""
+        w = self.workers.get(entry.ref.encoder_id)
+        if self.cfg.unpin_delay_s > 0 and w is not None and not w.draining:
+            rec = (self.clock(), key, entry)
+            self._lingering.pop(key, None)  # a stale record (an entry since dropped) must not keep its turn
+            self._lingering[key] = rec
+            self._linger_queue.append(rec)
+        elif self.index.unpin(entry):
+            self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
+
+    def _unpin_lingering(self, now: float) -> None:
+        """Unpin the entries that have lingered `unpin_delay_s`, one SendUnpin per encoder."""
+        q = self._linger_queue
+        cutoff = now - self.cfg.unpin_delay_s
+        by_encoder: dict[str, list[EntryId]] = {}
+        while q and q[0][0] <= cutoff:
+            rec = q.popleft()
+            if self._lingering.get(rec[1]) is rec:
+                del self._lingering[rec[1]]
+                self._unpin_idle(rec[2], by_encoder)
+        for encoder_id, ids in by_encoder.items():
+            self._emit(SendUnpin(encoder_id, ids))
+
+    def _unpin_lingering_of(self, worker_id: str) -> None:
+        """Unpin at once every entry lingering in `worker_id`'s ring (it is full, or drains)."""
+        by_encoder: dict[str, list[EntryId]] = {}
+        for key, rec in list(self._lingering.items()):
+            if rec[2].ref.encoder_id == worker_id:
+                del self._lingering[key]
+                self._unpin_idle(rec[2], by_encoder)
+        for encoder_id, ids in by_encoder.items():
+            self._emit(SendUnpin(encoder_id, ids))
+
+    def _unpin_idle(self, entry: IndexEntry, by_encoder: dict[str, list[EntryId]]) -> None:
+        key = entry.ref.key
+        # still this entry (not dropped, nor replaced by a re-encode), and still nobody's
+        if self.index.get(key) is entry and not self.users.get(key) and self.index.unpin(entry):
+            by_encoder.setdefault(entry.ref.encoder_id, []).append(entry.entry_id())
 
     def _finish(self, req: Request, error: EpdqError | None = None) -> None:
         """End a request: release its references and slot; report `error` to the client."""
@@ -407,8 +461,11 @@ class Scheduler:
         return ""
 
     def expire(self) -> float | None:
-        """Fail every request past its deadline; return the next deadline (or None)."""
+        """Fail every request past its deadline, re-queue expired encode leases, release pins that
+        have lingered long enough; return when the next of those is due (or None)."""
         now = self.clock()
+        if self._linger_queue:
+            self._unpin_lingering(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
             req = self.requests.get(rid)
@@ -427,6 +484,8 @@ class Scheduler:
                 self._retry_encode(job, WorkerLostError(f"encoder {worker} held the job past its lease"))
         self.dispatch()
         nxt = [h[0][0] for h in (self._deadlines, self._leases) if h]
+        if self._linger_queue:
+            nxt.append(self._linger_queue[0][0] + self.cfg.unpin_delay_s)
         return min(nxt) if nxt else None
 
     # ------------------------------------------------------------ encoder events
@@ -513,9 +572,12 @@ class Scheduler:
         full of halves of requests whose other halves need room. So the pins that only waiting
         requests hold on that encoder are released (those entries may be evicted, and re-encoded
         when needed), except the ones of the requests this job serves: they go first. When those
-        requests' own entries leave no room for this one, they never will: they fail."""
+        requests' own entries leave no room for this one, they never will: they fail.
+        Pins no request holds any more (lingering ones) are released first, whatever the job."""
         job = self._jobs_by_id.get(job_id)
         w = self.workers.get(worker_id)
+        if w is not None:
+            self._unpin_lingering_of(worker_id)  # nobody's: they may go before anything else
         if job is None or job.worker != worker_id or w is None:
             return
         self.counters["ring_blocks"] += 1

@@ -24,6 +24,8 @@ NAN = math.nan
         (lambda: BrokerConfig(address="ipc:///x/b.sock", encode_lease_s=NAN), "encode_lease_s"),
         (lambda: BrokerConfig(address="ipc:///x/b.sock", busy_retry_after_s=NAN), "busy_retry_after_s"),
         (lambda: SchedulerConfig(encode_lease_s=NAN), "encode_lease_s"),
+        (lambda: BrokerConfig(address="ipc:///x/b.sock", unpin_delay_s=NAN), "unpin_delay_s"),
+        (lambda: SchedulerConfig(unpin_delay_s=NAN), "unpin_delay_s"),
         (lambda: SchedulerConfig(max_timeout_s=NAN), "max timeout"),
         (lambda: WorkerConfig(role="pd", noop_token_s=NAN), "noop delays"),
         (lambda: AsyncClient("ipc:///x/b.sock", timeout=NAN), "timeout must be a number of seconds"),

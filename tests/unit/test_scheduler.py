@@ -30,6 +30,8 @@ def clock():
 
 
 def make(clock, enc=1, pd=1, enc_cap=4, pd_cap=4, **cfg):
+    # unpins at once unless a test asks for lingering pins: the pin protocol step by step
+    cfg.setdefault("unpin_delay_s", 0.0)
     s = Scheduler(SchedulerConfig(**cfg), clock=clock)
     for i in range(enc):
         s.add_worker(f"enc-{i}", Role.ENCODER, "n1", enc_cap)
@@ -397,8 +399,9 @@ def test_deadline_and_lease_heaps_stay_proportional_to_live_work(clock):
     assert len(s._deadlines) <= 1024 + 2 and len(s._leases) <= 1024 + 2
 
 
+@pytest.mark.parametrize("unpin_delay", [0.0, 0.5])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
+def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed, unpin_delay):
     """Random traffic with every kind of event (encodes, failures, evictions, stale reads, lease
     and deadline expiry, dead and draining workers, cancels): the O(1) gauges never drift from a recount, no
     worker is over its credit, a waiting request always has an encode coming, a ready one has
@@ -407,7 +410,8 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
     import random
 
     rng = random.Random(seed)
-    s = make(clock, enc=2, pd=2, enc_cap=2, pd_cap=2, max_queued_requests=40, encode_lease_s=3.0)
+    s = make(clock, enc=2, pd=2, enc_cap=2, pd_cap=2, max_queued_requests=40, encode_lease_s=3.0,
+             unpin_delay_s=unpin_delay)  # fmt: skip
     encodes: dict[tuple[str, int], SendEncode] = {}  # a job re-sent after its lease: two entries
     draining: dict[str, set] = {}  # worker -> what it held when it began to drain
     running: dict[str, str] = {}  # rid -> pd worker
@@ -448,6 +452,9 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
                 k = rng.choice(list(s.index))
                 e = s.index[k]
                 s.on_evicted(e.ref.encoder_id, [EntryId(k, e.ref.generation)])
+            elif op < 0.74 and encodes:  # the job's result does not fit in its encoder's ring yet
+                a = rng.choice(list(encodes.values()))
+                s.on_ring_blocked(a.worker_id, a.job.job_id, 1024)
             elif op < 0.78 and s.requests:
                 s.cancel(rng.choice(list(s.requests)))
             elif op < 0.82:
@@ -476,6 +483,7 @@ def test_random_traffic_keeps_gauges_and_invariants_and_ends_clean(clock, seed):
         assert s.gauges() == s.gauges_by_scan()
         _check_invariants(s)
     assert s.counters["requests_completed"] > 50 and s.counters["encodes_done"] > 50
+    assert s.counters["ring_blocks"] > 0 and (s.counters["pins_reused"] > 0) == (unpin_delay > 0)
 
     # liveness: with no new requests and every job answered, everything ends and nothing leaks
     for _ in range(200):
@@ -505,7 +513,17 @@ def _check_invariants(s):
         elif r.state is ReqState.READY and r.route == "epd":
             assert not r.pending and all(k in s.index for k in r.keys), r
     for k, e in s.index.items():
-        assert e.pinned == bool(s.users.get(k)), k  # pinned exactly while a live request needs it
+        # pinned while a live request needs it (but a full ring's pins that only waiting requests
+        # hold are released), and otherwise only while lingering, for at most unpin_delay_s
+        users = s.users.get(k)
+        lingering = k in s._lingering and s._lingering[k][2] is e
+        if users:
+            assert e.pinned or all(s.requests[r].state is ReqState.WAITING for r in users), k
+        else:
+            assert e.pinned == lingering, k
+            assert not lingering or s.clock() - s._lingering[k][0] <= s.cfg.unpin_delay_s, k
+        if lingering:
+            assert not s.users.get(k) and s.clock() - s._lingering[k][0] <= s.cfg.unpin_delay_s, k
     held: dict[bytes, int] = {}
     for r in s.requests.values():
         if r.state in (ReqState.WAITING, ReqState.READY):
@@ -685,6 +703,100 @@ def test_a_request_whose_images_cannot_share_the_ring_fails_at_once(clock):
     (fail,) = of(s.take_actions(), Fail)
     assert fail.rid == "A" and isinstance(fail.error, RingFullError) and "4800 bytes at once" in fail.error.message
     assert "A" not in s.requests and s.workers["enc-0"].credit >= 1  # the slot is free for C
+
+
+def test_a_pin_lingers_and_the_unpins_of_many_requests_leave_together(clock):
+    s = make(clock, unpin_delay_s=0.05)
+    encs = of(submit(s, "r1", [K(1)]) + submit(s, "r2", [K(2)]), SendEncode)
+    for e in encs:
+        finish_encode(s, e, gen=4)
+    s.on_tokens("pd-0", "r1", finished=True)
+    clock.t += 0.03
+    s.on_tokens("pd-0", "r2", finished=True)
+    assert not of(s.take_actions(), SendUnpin) and s.gauges()["index_pinned"] == 2
+    assert s.expire() == pytest.approx(clock.t - 0.03 + 0.05)  # when r1's pin is due
+    clock.t += 0.021
+    s.expire()
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 4)])]
+    clock.t += 0.03
+    s.expire()
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 4)])]
+    assert s.gauges()["index_pinned"] == 0 and not s._linger_queue and not s._lingering
+    assert K(1) in s.index and K(2) in s.index  # resident for later hits
+
+
+def test_an_image_asked_for_again_while_its_pin_lingers_costs_the_encoder_nothing(clock):
+    s = make(clock, unpin_delay_s=0.05)
+    finish_encode(s, of(submit(s, "r1", [K(1)]), SendEncode)[0], gen=2)
+    s.on_tokens("pd-0", "r1", finished=True)
+    clock.t += 0.04
+    acts = submit(s, "r2", [K(1)])
+    assert not of(acts, SendPin) and [p.request.rid for p in of(acts, SendPrefill)] == ["r2"]
+    assert s.counters["pins_reused"] == 1
+    clock.t += 0.04  # r1's linger would be over: r2 holds the pin now
+    s.expire()
+    assert not of(s.take_actions(), SendUnpin) and s.index[K(1)].pinned
+    s.on_tokens("pd-0", "r2", finished=True)
+    clock.t += 0.049
+    s.expire()
+    assert not of(s.take_actions(), SendUnpin)  # r2's own linger runs from its end
+    clock.t += 0.002
+    s.expire()
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 2)])]
+    # unpinned now: a hit pins it again with a message
+    assert of(submit(s, "r3", [K(1)]), SendPin) == [SendPin("enc-0", [EntryId(K(1), 2)])]
+
+
+def test_a_full_ring_gets_its_lingering_unpins_at_once(clock):
+    s = ring_sched(clock)  # the default delay
+    assert s.cfg.unpin_delay_s > 0
+    acts = submit(s, "A", [K(1)]) + submit(s, "B", [K(2)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(1)].job.job_id, ref_for(K(1), nbytes=4096))
+    s.on_tokens("pd-0", "A", finished=True)
+    assert not of(s.take_actions(), SendUnpin)
+    s.on_ring_blocked("enc-0", jobs[K(2)].job.job_id, 4096)
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 1)])]
+    assert not s.index[K(1)].pinned and s.counters["pins_released"] == 0  # nobody's pin: not a release
+    clock.t += 1
+    s.expire()
+    assert not of(s.take_actions(), SendUnpin)  # nothing left to unpin twice
+
+
+def test_a_draining_encoder_gets_its_lingering_unpins_at_once_and_later_ones_without_delay(clock):
+    s = make(clock, unpin_delay_s=0.05, pd_cap=1)
+    finish_encode(s, of(submit(s, "r1", [K(1)]), SendEncode)[0])
+    s.on_tokens("pd-0", "r1", finished=True)
+    submit(s, "busy", [])
+    finish_encode(s, of(submit(s, "r2", [K(2)]), SendEncode)[0])  # READY behind "busy", holding K(2)
+    s.take_actions()
+    assert s.drain_worker("enc-0")
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 1)])]
+    assert K(1) not in s.index and K(2) in s.index  # a leaving ring caches nothing new
+    s.on_tokens("pd-0", "busy", finished=True)
+    s.on_tokens("pd-0", "r2", finished=True)
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 1)])]  # not lingering
+
+
+def test_a_lingering_record_of_a_dropped_entry_never_unpins_its_successor_early(clock):
+    s = make(clock, unpin_delay_s=0.05)
+    finish_encode(s, of(submit(s, "r1", [K(1)]), SendEncode)[0], gen=1)
+    s.on_tokens("pd-0", "r1", finished=True)
+    s.on_evicted("enc-0", [EntryId(K(1), 1)])  # gone (a confused encoder: it was pinned)
+    finish_encode(s, of(submit(s, "r2", [K(1)]), SendEncode)[0], gen=2)
+    s.on_tokens("pd-0", "r2", finished=True)
+    clock.t += 0.03
+    s.expire()  # r1's record is stale; r2's entry lingers on
+    assert not of(s.take_actions(), SendUnpin) and s.index[K(1)].pinned
+    clock.t += 0.03
+    s.expire()
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 2)])]
+
+
+def test_unpin_delay_is_validated():
+    for bad in (-0.1, 61.0, float("nan")):
+        with pytest.raises(ValueError, match="unpin_delay_s"):
+            SchedulerConfig(unpin_delay_s=bad)
 
 
 def fail_reads_until_it_fails(s, code: str, message: str) -> tuple[int, Fail]:

@@ -1,0 +1,29 @@
+"""How the broker turns the scheduler's pin decisions into messages to encoders."""
+
+from epdq import protocol as P
+from epdq.broker import ENTRIES_PER_MESSAGE, Broker, BrokerConfig
+from epdq.jobs import SendPin, SendUnpin
+from epdq.protocol import EntryId
+
+
+def test_a_great_many_unpins_go_in_messages_the_encoder_accepts():
+    # a full ring may release tens of thousands of entries at once (small embeddings in a large
+    # ring): one UNPIN naming more than ~43,000 (24 bytes each) is over the receiver's header limit,
+    # and the encoder would refuse it whole, leaving every one of them pinned
+    broker = Broker(BrokerConfig(address="ipc:///x/b.sock"))
+    sent: list[tuple[str, object]] = []
+    broker._send_worker = lambda worker_id, msg, *rest: sent.append((worker_id, msg))
+    ids = [EntryId(i.to_bytes(16, "big"), i) for i in range(2 * ENTRIES_PER_MESSAGE + 5)]
+    broker.scheduler._emit(SendUnpin("enc-0", ids))
+    broker.scheduler._emit(SendPin("enc-1", ids[:3]))
+    broker._flush()
+    unpins = [m for w, m in sent if w == "enc-0"]
+    assert [len(m.entries) for m in unpins] == [ENTRIES_PER_MESSAGE, ENTRIES_PER_MESSAGE, 5]
+    assert [e for m in unpins for e in m.entries] == ids  # all of them, in order
+    assert all(isinstance(m, P.Unpin) for m in unpins)
+    (pin,) = [m for w, m in sent if w == "enc-1"]
+    assert isinstance(pin, P.Pin) and pin.entries == ids[:3]
+    for m in unpins:
+        header = P.encode(m)[1]
+        assert len(header) < P.MAX_HEADER_BYTES
+        assert P.decode(P.encode(m))[0].entries == m.entries
