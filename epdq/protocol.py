@@ -22,7 +22,8 @@ from epdq.errors import ProtocolError
 # 2: REGISTER and EmbedRef carry ring_kind and the CUDA ring handle; 3: TOKENS carries prompt_tokens; 4: DRAIN;
 # 5: PING carries the client's requests in flight, PONG those the broker does not hold; RING_BLOCKED; BYE refused
 # 6: BATCH packs its small frames into one (Batch.sizes); 7: FETCHED carries an entry in several frames (fetch_chunks)
-PROTOCOL_VERSION = 7
+# 8: FETCHED's entry frames are followed by the entry's ring header, its seal (sent from the ring itself)
+PROTOCOL_VERSION = 8
 MAX_HEADER_BYTES = 1 << 20
 MAX_TEXT_CHARS = 256 * 1024
 MAX_MESSAGES = 256
@@ -344,15 +345,18 @@ class Fetch(_S):
 
 class Fetched(_S):
     nonce: int
-    code: str = ""  # "" on success, then the entry's bytes follow in `frames` frames (fetch_chunks)
+    # "" on success: then the entry's bytes follow in `frames` frames (fetch_chunks), and after
+    # them its seal (`epdq.ring.entry_seal`): the entry's header as ZeroMQ read it, after the bytes
+    code: str = ""
     message: str = ""
     frames: int = 1
 
 
 def fetch_chunks(nbytes: int) -> list[tuple[int, int]]:
     """(start, size) of each payload frame of a FETCHED carrying `nbytes`, in order: frames of
-    FETCH_CHUNK_BYTES, larger only where MAX_PAYLOAD_FRAMES would not hold them; one frame at least."""
-    size = max(FETCH_CHUNK_BYTES, -(-nbytes // MAX_PAYLOAD_FRAMES))
+    FETCH_CHUNK_BYTES, larger only where MAX_PAYLOAD_FRAMES (less the seal's) would not hold them;
+    one frame at least."""
+    size = max(FETCH_CHUNK_BYTES, -(-nbytes // (MAX_PAYLOAD_FRAMES - 1)))
     return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)] or [(0, 0)]
 
 
@@ -500,7 +504,9 @@ def payload_count(msg: _S) -> int:
     if isinstance(msg, Encode):
         return 1
     if isinstance(msg, Fetched):
-        return msg.frames if msg.code == "" else 0
+        if msg.code:
+            return 0
+        return msg.frames + 1 if msg.frames >= 1 else -1  # the entry's frames (one at least), then its seal
     return 0
 
 

@@ -81,6 +81,11 @@ def _header_ok(buf: mmap.mmap, hdr: int, key: bytes, generation: int, nbytes: in
     return _HDR.unpack_from(buf, hdr) == (_MAGIC, key, generation, nbytes)
 
 
+def entry_seal(key: bytes, generation: int, nbytes: int) -> bytes:
+    """The header of a published entry, as a remote fetch's answer ends with it (`fetch_frames`)."""
+    return _HDR.pack(_MAGIC, key, generation, nbytes)
+
+
 def _close_map(mm: mmap.mmap) -> None:
     try:
         mm.close()
@@ -246,9 +251,16 @@ class RingWriter:
             self._evicted.clear()
             return len(victims)
 
-    def read_chunks(self, offset: int, nbytes: int, key: bytes, generation: int) -> list[bytes]:
-        """Copy an entry out for a fetch from another node, in the frames of its answer
-        (`protocol.fetch_chunks`); StaleEmbeddingError if it changed."""
+    def fetch_frames(self, offset: int, nbytes: int, key: bytes, generation: int) -> list[memoryview]:
+        """An entry for a fetch from another node, as the payload of its answer, copied nowhere:
+        views of the ring in the frames of `protocol.fetch_chunks`, then a view of the entry's
+        header, its seal. ZeroMQ reads them later, on its I/O thread, in that order, so the seal it
+        sends was read after the bytes: the fetcher takes the bytes only if the seal is still
+        `entry_seal(key, generation, nbytes)`, the reader's after-copy check (see the module
+        docstring) done at the other end. StaleEmbeddingError if the entry is not resident now.
+
+        The views keep the mapping alive (`close` leaves it to them), never the entry: a fetch
+        pins nothing, and an entry overwritten while queued goes out with a broken seal."""
         _check_key(key, ProtocolError)  # these come from another node's message
         with self._lock:
             self._check_open()
@@ -257,11 +269,11 @@ class RingWriter:
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} is no longer resident")
             if not e.published:
                 raise EntryPending(f"entry {key.hex()}@{generation} is still being written")
-        mm = self._mm
-        data = [mm[offset + start : offset + start + size] for start, size in fetch_chunks(nbytes)]
-        if not _header_ok(mm, offset - HEADER_BYTES, key, generation, nbytes):
-            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} was overwritten while copied")
-        return data
+            whole = memoryview(self._mm)
+        frames = [whole[offset + start : offset + start + size] for start, size in fetch_chunks(nbytes)]
+        hdr = offset - HEADER_BYTES
+        frames.append(whole[hdr : hdr + _HDR.size])
+        return frames
 
     def close(self, unlink: bool = True) -> None:
         """Unmap; with `unlink` also remove the segment and invalidate every entry, so readers

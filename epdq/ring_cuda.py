@@ -45,7 +45,7 @@ import torch
 
 from epdq import protocol as P
 from epdq.errors import EntryPending, ProtocolError, StaleEmbeddingError
-from epdq.ring import MAX_CAPACITY, MIN_CAPACITY, RingWriter, _check_key, _round_up
+from epdq.ring import MAX_CAPACITY, MIN_CAPACITY, RingWriter, _check_key, _round_up, entry_seal
 from epdq.ring_space import ALIGN, HEADER_BYTES, RingSpace, _Entry
 
 KIND = "cuda"
@@ -193,6 +193,12 @@ class CudaRingWriter(RingWriter):
             if self._stream is not None:
                 self._stream.synchronize()
         return [memoryview(o.numpy()) for o in out]
+
+    def fetch_frames(self, offset: int, nbytes: int, key: bytes, generation: int) -> list[Any]:
+        """The payload of a fetch's answer (see `epdq.ring.RingWriter.fetch_frames`): the entry
+        copied to host memory, then its seal. The copy was made under the lock, which no write
+        of these bytes can pass, so the seal is the entry's header as it was."""
+        return [*self.read_chunks(offset, nbytes, key, generation), entry_seal(key, generation, nbytes)]
 
     def close(self, unlink: bool = True) -> None:  # noqa: ARG002 - same signature as RingWriter.close
         with self._lock:

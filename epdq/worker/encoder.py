@@ -365,14 +365,17 @@ class EncoderWorker:
         if not isinstance(msg, P.Fetch):
             return
         try:
-            chunks = self.ring.read_chunks(msg.offset, msg.nbytes, msg.key, msg.generation)
+            *chunks, seal = self.ring.fetch_frames(msg.offset, msg.nbytes, msg.key, msg.generation)
         except (StaleEmbeddingError, EpdqError) as e:
             self._reply([ident, *P.encode(P.Fetched(msg.nonce, e.code, e.message))])
             return
         except Exception as e:  # bad offsets from a confused peer must not kill the encoder
             self._reply([ident, *P.encode(P.Fetched(msg.nonce, "invalid_input", str(e)[:200]))])
             return
-        self._reply([ident, *P.encode(P.Fetched(msg.nonce, frames=len(chunks))), *chunks], copy=False)
+        # The seal as a Frame of its own: pyzmq copies small buffers at send time, and the seal
+        # must be read after the bytes, on ZeroMQ's I/O thread (RingWriter.fetch_frames)
+        head = P.encode(P.Fetched(msg.nonce, frames=len(chunks)))
+        self._reply([ident, *head, *chunks, zmq.Frame(seal, copy=False)], copy=False)
 
     def _reply(self, frames: list[Any], copy: bool = True) -> None:
         assert self._fetch is not None

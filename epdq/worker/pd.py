@@ -39,6 +39,7 @@ from epdq.errors import (
 )
 from epdq.keys import own_public_key
 from epdq.media import decode_image, quick_to_decode
+from epdq.ring import entry_seal
 from epdq.ring_reader import RingReader
 from epdq.transport import endpoint_problem, make_socket
 
@@ -70,6 +71,7 @@ class RemoteFetcher:
             if len(self._channels) >= _MAX_FETCH_CHANNELS:  # bounded: drop the least recently used
                 oldest = next(iter(self._channels))
                 self._channels.pop(oldest).close()
+            # not inproc: there the frames would be the encoder's ring itself, read after the seal
             if not endpoint.startswith(("tcp://", "ipc://")) or endpoint_problem(endpoint):
                 # an encoder's advertised endpoint: its settings, not the client's input
                 raise FetchFailedError(f"bad fetch endpoint {endpoint[:64]!r}")
@@ -122,9 +124,12 @@ class RemoteFetcher:
             self._waiters.pop(nonce, None)
         if msg.code:
             raise StaleEmbeddingError(f"remote fetch failed: {msg.code}: {msg.message}")
-        chunks = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in payload]
-        if not chunks or sum(c.nbytes for c in chunks) != ref.nbytes:
+        *chunks, seal = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in payload]  # decode: 2 at least
+        if sum(c.nbytes for c in chunks) != ref.nbytes:
             raise StaleEmbeddingError("remote fetch returned the wrong number of bytes")
+        if seal != entry_seal(ref.key, ref.generation, ref.nbytes):
+            # the encoder sends straight from its ring: the entry was replaced before ZeroMQ had sent it
+            raise StaleEmbeddingError(f"entry {ref.key.hex()}@{ref.generation} was overwritten while it was sent")
         return chunks
 
     def close(self) -> None:

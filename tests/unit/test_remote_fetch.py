@@ -82,13 +82,14 @@ async def test_an_endpoint_this_worker_cannot_use_fails_the_fetch_not_the_client
         (16, [16]),
         (P.FETCH_CHUNK_BYTES, [P.FETCH_CHUNK_BYTES]),
         (P.FETCH_CHUNK_BYTES + 1, [P.FETCH_CHUNK_BYTES, 1]),
-        (512 << 20, [8 << 20] * 64),  # frames grow rather than exceed MAX_PAYLOAD_FRAMES
-        ((512 << 20) + 64, [(8 << 20) + 1] * 64),
+        # frames grow rather than exceed MAX_PAYLOAD_FRAMES, less one for the seal
+        (512 << 20, [8_521_761] * 62 + [8_521_730]),
+        ((512 << 20) + 64, [8_521_762] * 62 + [8_521_732]),
     ],
 )
 def test_fetch_chunks_cover_the_entry_in_order_within_the_frame_limit(nbytes, sizes):
     chunks = P.fetch_chunks(nbytes)
-    assert [size for _, size in chunks] == sizes and len(chunks) <= P.MAX_PAYLOAD_FRAMES
+    assert [size for _, size in chunks] == sizes and len(chunks) < P.MAX_PAYLOAD_FRAMES
     assert [start for start, _ in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
     assert sum(sizes) == nbytes
 
@@ -136,3 +137,54 @@ async def test_a_large_entry_comes_in_several_frames_and_lands_whole(make_fetche
         finally:
             enc.close()
     ctx.destroy(linger=0)
+
+
+async def test_an_entry_overwritten_while_zeromq_sends_it_is_stale_never_torn(make_fetcher):
+    """The encoder answers a fetch from its ring itself (no copy): ZeroMQ's I/O thread reads the
+    bytes after the answer was queued, and here the entry is evicted and its window written over
+    at once, while they go out. Each fetch must then either bring the old bytes whole or fail
+    stale (the seal, read after the bytes, is broken): never a mix of old and new."""
+    from epdq.ring import RingWriter
+    from epdq.worker.encoder import EncoderWorker
+    from epdq.worker.pd import from_chunks
+
+    rows, hidden = 2048, 1024  # 8 MiB: two frames; the ring holds one such entry only
+    ctx = zmq.Context()
+    outcomes = {"whole": 0, "stale": 0}
+    with RingWriter(9 << 20, owner_tag="tornfetch") as ring:
+        enc = EncoderWorker(
+            None, ring, worker_id="enc-far", node="node-a", max_image_bytes=1, max_image_pixels=1,
+            fetch_bind="tcp://127.0.0.1:*", ctx=ctx, security=None,
+        )  # fmt: skip
+        replied = enc._reply
+
+        def reply_then_overwrite(frames, copy=True):
+            replied(frames, copy)
+            # the answer is queued, not sent: evict the entry and fill its window with new bytes
+            assert ring.evict_unpinned() == 1
+            assert ring.write(b"n" * 16, torch.full((rows, hidden), -1.0)).offset == loc.offset
+
+        enc._reply = reply_then_overwrite
+        fetcher = make_fetcher(timeout_s=10)
+        try:
+            endpoint = enc.open_fetch_socket()
+            enc.start()
+            for i in range(20):
+                ring.clear()
+                k = i.to_bytes(16, "big")
+                loc = ring.write(k, torch.full((rows, hidden), float(i)))
+                ring.unpin(k, loc.generation)  # nobody's pin: the overwrite may take its window
+                r = P.EmbedRef(k, "enc-far", "node-a", ring.name, loc.offset, loc.nbytes, loc.generation,
+                               "float32", [rows, hidden], [1, 2, 2], endpoint)  # fmt: skip
+                try:
+                    got = from_chunks(await fetcher.fetch(r), torch.float32, [rows, hidden])
+                except StaleEmbeddingError as e:
+                    assert "overwritten while it was sent" in str(e)
+                    outcomes["stale"] += 1
+                else:
+                    assert bool((got == float(i)).all()), f"fetch {i} mixes old and new bytes"
+                    outcomes["whole"] += 1
+        finally:
+            enc.close()
+    ctx.destroy(linger=0)
+    assert outcomes["stale"] > 0, outcomes  # the overwrite did race the send (else this proves nothing)

@@ -21,7 +21,7 @@ from epdq import ring as ring_mod
 from epdq import ring_reader, ring_space
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.protocol import fetch_chunks
-from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingWriter
+from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingWriter, entry_seal
 from epdq.ring_reader import RingReader
 
 MIB = 1 << 20
@@ -171,29 +171,39 @@ def test_non_contiguous_source_and_out_tensor(writer, reader):
         )
 
 
-def test_read_chunks_for_remote_fetch(writer):
+def test_fetch_frames_are_the_entry_in_place_then_its_seal(writer):
     t = torch.arange(1000, dtype=torch.float32)
     k = key()
     loc = writer.write(k, t)
-    data = writer.read_chunks(loc.offset, loc.nbytes, k, loc.generation)
-    assert len(data) == 1 and isinstance(data[0], bytes) and data[0] == t.numpy().tobytes()
+    *data, seal = writer.fetch_frames(loc.offset, loc.nbytes, k, loc.generation)
+    assert len(data) == 1 and data[0] == t.numpy().tobytes() and seal == entry_seal(k, loc.generation, loc.nbytes)
+    assert isinstance(data[0], memoryview) and data[0].readonly is False  # the ring's bytes, not a copy
     with pytest.raises(StaleEmbeddingError):
-        writer.read_chunks(loc.offset, loc.nbytes, k, loc.generation + 1)
+        writer.fetch_frames(loc.offset, loc.nbytes, k, loc.generation + 1)
     for off, nb in ((0, loc.nbytes), (loc.offset + 1, loc.nbytes), (loc.offset, loc.nbytes + 4), (-64, 4)):
         with pytest.raises(StaleEmbeddingError):  # values from a remote message: never a crash
-            writer.read_chunks(off, nb, k, loc.generation)
+            writer.fetch_frames(off, nb, k, loc.generation)
     with pytest.raises(ProtocolError):
-        writer.read_chunks(loc.offset, loc.nbytes, b"short", loc.generation)
+        writer.fetch_frames(loc.offset, loc.nbytes, b"short", loc.generation)
+    # evicted before ZeroMQ got to it (its window free for new bytes): the seal, read after the
+    # bytes, no longer matches
+    writer.unpin(k, loc.generation)
+    assert writer.evict_unpinned() == 1
+    assert bytes(seal) != entry_seal(k, loc.generation, loc.nbytes)
+    del data, seal
 
 
-def test_a_large_entry_is_read_in_the_frames_of_its_fetch_answer():
+def test_a_large_entry_is_fetched_in_the_frames_of_its_answer():
     t = torch.arange((9 << 20) // 4 + 7, dtype=torch.float32)
     with RingWriter(16 << 20, owner_tag="chunks") as w:
         k = key()
         loc = w.write(k, t)
-        data = w.read_chunks(loc.offset, loc.nbytes, k, loc.generation)
-    assert [len(c) for c in data] == [size for _, size in fetch_chunks(t.nbytes)] == [4 << 20, 4 << 20, (1 << 20) + 28]
+        *data, seal = w.fetch_frames(loc.offset, loc.nbytes, k, loc.generation)
+        assert [len(c) for c in data] == [size for _, size in fetch_chunks(t.nbytes)] == [4 << 20, 4 << 20, (1 << 20) + 28]
+        assert b"".join(data) == t.numpy().tobytes() and seal == entry_seal(k, loc.generation, loc.nbytes)
+    # the ring closed while views of it were out (ZeroMQ still sending): the mapping stays theirs
     assert b"".join(data) == t.numpy().tobytes()
+    del data, seal
 
 
 def test_empty_tensor(writer, reader):
@@ -466,7 +476,7 @@ def test_a_reserved_entry_is_pending_until_filled(writer, reader):
     with pytest.raises(EntryPending):
         reader.read(*args, torch.float32, (40, 64))
     with pytest.raises(EntryPending):  # nor does a remote fetch get the half-written bytes
-        writer.read_chunks(loc.offset, loc.nbytes, k, loc.generation)
+        writer.fetch_frames(loc.offset, loc.nbytes, k, loc.generation)
     view, published = reader.view_early(*args, torch.float32, (40, 64))
     assert not published and not reader.spin(*args, 0.0)
     assert writer.fill(k, loc.generation, t)
