@@ -154,3 +154,16 @@ def test_ping_request_ids_are_bounded():
     for bad in (ids + ["one more"], ["x" * 129]):
         with pytest.raises(ProtocolError):
             P.decode(P.encode(P.Ping(1, bad)))
+
+
+def test_a_fetch_answer_carries_its_entry_then_its_seal():
+    data, seal = b"\1" * 32, b"\2" * 40
+    msg, payload = P.decode([*P.encode(P.Fetched(3, frames=2)), data[:16], data[16:], seal], max_payload_frames=3)
+    assert msg.frames == 2 and payload == [data[:16], data[16:], seal]
+    with pytest.raises(ProtocolError, match="declares 3 payload frames, got 2"):  # no seal: an older encoder
+        P.decode([*P.encode(P.Fetched(3, frames=2)), data[:16], data[16:]], max_payload_frames=3)
+    for frames in (0, -1):  # an entry comes in one frame at least
+        with pytest.raises(ProtocolError, match="payload frames"):
+            P.decode([*P.encode(P.Fetched(3, frames=frames)), seal], max_payload_frames=3)
+    msg, payload = P.decode(P.encode(P.Fetched(3, "stale", "gone", frames=5)), max_payload_frames=3)
+    assert msg.code == "stale" and payload == []  # a refusal carries nothing
