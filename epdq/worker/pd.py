@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -404,7 +405,9 @@ class PDWorker:
                 )
             if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
-        grid = torch.tensor([r.grid for r in refs], dtype=torch.int64)
+        # through numpy: torch.tensor of a nested list took ~20 us per request with the caches cold,
+        # as they are in a worker woken for one request (8 % of a PD worker's time on cache hits)
+        grid = torch.from_numpy(np.array([r.grid for r in refs], dtype=np.int64))
         if self.device.type != "cpu":
             return await self._gather_device(refs, dtype, hidden), grid, None
         r = refs[0]
