@@ -33,6 +33,9 @@ from epdq.scheduler import Scheduler, SchedulerConfig
 _IMAGE = b"\0" * 64  # the scheduler only keeps a reference and counts bytes
 
 
+BROKER_TICK_S = 0.05  # how often the broker calls Scheduler.expire (epdq.broker: its _tick)
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 1000.0
@@ -72,7 +75,7 @@ class _Driver:
                                            max_timeout_s=10**6), clock=self.clock)  # fmt: skip
         self.timed = timed
         self.times: dict[str, list[float]] = {
-            k: [] for k in ("add_worker", "submit", "encoded", "first_token", "finished")
+            k: [] for k in ("add_worker", "submit", "encoded", "first_token", "finished", "tick")
         }
         self.decisions = {"encode": 0, "prefill": 0}
         self.decision_time = {"encode": 0.0, "prefill": 0.0}
@@ -123,8 +126,12 @@ class _Driver:
 
     def drain(self, total: int, bar: Progress | None) -> int:
         done = 0
+        tick = self.clock.t
         while self.encodes or self.prefills:
             self.clock.t += 1e-5
+            if self.clock.t >= tick + BROKER_TICK_S:  # as the broker's timer: expiries, lingering pins
+                tick = self.clock.t
+                self._call("tick", self.s.expire)
             if self.encodes:
                 wid, job = self.encodes.popleft()
                 self._call(
@@ -137,6 +144,8 @@ class _Driver:
                 done += 1
                 if bar is not None and done % 1000 == 0:
                     bar.advance(1000)
+        self.clock.t += BROKER_TICK_S  # and the broker's next tick: the last pins no request holds go
+        self._call("tick", self.s.expire)
         return done
 
 
@@ -277,7 +286,8 @@ def _print(res: dict[str, Any]) -> None:
           f"{res['requests']:,} requests ({res['images']:,} images) submitted at once, then completed; "
           f"total {res['seconds']['total']:.1f} s")  # fmt: skip
     labels = {"add_worker": "add_worker", "submit": "submit (incl. dispatch)", "encoded": "on_encoded (incl. dispatch)",
-              "first_token": "on_tokens, first", "finished": "on_tokens, finished (incl. dispatch)"}  # fmt: skip
+              "first_token": "on_tokens, first", "finished": "on_tokens, finished (incl. dispatch)",
+              "tick": "expire, every 50 ms (incl. unpins)"}  # fmt: skip
     rows = [
         [labels[k], v["n"], v["p50_us"], v["p99_us"], v["max_us"], v["total_s"]]
         for k, v in res["per_call"].items()

@@ -21,7 +21,7 @@ def test_scale_tiny(tmp_path, capsys):
         assert key in data, key
     assert data["completed"] == 1000 == res["completed"]
     assert data["workers"]["encoders"] + data["workers"]["pds"] == 50
-    for call in ("submit", "encoded", "first_token", "finished"):
+    for call in ("submit", "encoded", "first_token", "finished", "tick"):
         assert data["per_call"][call]["n"] > 0
     assert data["memory"]["bytes_per_queued_request"] > 0
     assert "Time per call" in capsys.readouterr().out
