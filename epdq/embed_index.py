@@ -20,6 +20,7 @@ from epdq.protocol import EmbedRef, EntryId
 class IndexEntry:
     ref: EmbedRef
     pinned: bool = True  # encoders write new entries pinned
+    linger_since: float = 0.0  # when its last request ended, while its pin lingers (Scheduler)
 
     def entry_id(self) -> EntryId:
         return EntryId(self.ref.key, self.ref.generation)

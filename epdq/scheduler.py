@@ -119,10 +119,13 @@ class Scheduler:
         # kept up to date at every change so that gauges() is O(1) however deep the queues are
         self._n_state: dict[ReqState, int] = dict.fromkeys(ReqState, 0)
         self._jobs_assigned = 0  # jobs in self.jobs held by an encoder
-        # pinned entries no live request holds, until their unpin leaves: key -> (since, key, entry);
-        # the queue holds the same records in time order (a record no longer in the dict is skipped)
-        self._lingering: dict[bytes, tuple[float, bytes, IndexEntry]] = {}
-        self._linger_queue: deque[tuple[float, bytes, IndexEntry]] = deque()
+        # pinned entries no live request holds, until their unpin leaves (key -> entry), and the
+        # same in time order: when each began to linger and the entry, in two deques rather than
+        # a tuple per request for the cyclic GC to track (a record whose entry lingers again
+        # since, or no longer, is skipped)
+        self._lingering: dict[bytes, IndexEntry] = {}
+        self._linger_since: deque[float] = deque()
+        self._linger_entries: deque[IndexEntry] = deque()
 
     # ------------------------------------------------------------ plumbing
 
@@ -286,7 +289,7 @@ class Scheduler:
         if entry is not None:
             req.cache_hits += 1
             self.counters["cache_hits"] += 1
-            if self._lingering and self._lingering.pop(key, None) is not None:
+            if self._lingering and self._lingering.pop(key, None) is entry:
                 self.counters["pins_reused"] += 1  # still pinned: nothing to tell the encoder
             elif self.index.pin(entry):
                 self._emit(SendPin(entry.ref.encoder_id, [entry.entry_id()]))
@@ -362,33 +365,35 @@ class Scheduler:
         """The last live request holding `entry` is gone: unpin it now, or let the pin linger."""
         w = self.workers.get(entry.ref.encoder_id)
         if self.cfg.unpin_delay_s > 0 and w is not None and not w.draining:
-            rec = (self.clock(), key, entry)
-            self._lingering.pop(key, None)  # a stale record (an entry since dropped) must not keep its turn
-            self._lingering[key] = rec
-            self._linger_queue.append(rec)
+            entry.linger_since = now = self.clock()
+            self._lingering[key] = entry
+            self._linger_since.append(now)
+            self._linger_entries.append(entry)
         elif self.index.unpin(entry):
             self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
 
     def _unpin_lingering(self, now: float) -> None:
         """Unpin the entries that have lingered `unpin_delay_s`, one SendUnpin per encoder."""
-        q = self._linger_queue
+        times, entries, lingering = self._linger_since, self._linger_entries, self._lingering
         cutoff = now - self.cfg.unpin_delay_s
         by_encoder: dict[str, list[EntryId]] = {}
-        while q and q[0][0] <= cutoff:
-            rec = q.popleft()
-            if self._lingering.get(rec[1]) is rec:
-                del self._lingering[rec[1]]
-                self._unpin_idle(rec[2], by_encoder)
+        while times and times[0] <= cutoff:
+            since = times.popleft()
+            entry = entries.popleft()
+            key = entry.ref.key
+            if entry.linger_since == since and lingering.get(key) is entry:
+                del lingering[key]
+                self._unpin_idle(entry, by_encoder)
         for encoder_id, ids in by_encoder.items():
             self._emit(SendUnpin(encoder_id, ids))
 
     def _unpin_lingering_of(self, worker_id: str) -> None:
         """Unpin at once every entry lingering in `worker_id`'s ring (it is full, or drains)."""
         by_encoder: dict[str, list[EntryId]] = {}
-        for key, rec in list(self._lingering.items()):
-            if rec[2].ref.encoder_id == worker_id:
+        for key, entry in list(self._lingering.items()):
+            if entry.ref.encoder_id == worker_id:
                 del self._lingering[key]
-                self._unpin_idle(rec[2], by_encoder)
+                self._unpin_idle(entry, by_encoder)
         for encoder_id, ids in by_encoder.items():
             self._emit(SendUnpin(encoder_id, ids))
 
@@ -464,7 +469,7 @@ class Scheduler:
         """Fail every request past its deadline, re-queue expired encode leases, release pins that
         have lingered long enough; return when the next of those is due (or None)."""
         now = self.clock()
-        if self._linger_queue:
+        if self._linger_since:
             self._unpin_lingering(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
@@ -484,8 +489,8 @@ class Scheduler:
                 self._retry_encode(job, WorkerLostError(f"encoder {worker} held the job past its lease"))
         self.dispatch()
         nxt = [h[0][0] for h in (self._deadlines, self._leases) if h]
-        if self._linger_queue:
-            nxt.append(self._linger_queue[0][0] + self.cfg.unpin_delay_s)
+        if self._linger_since:
+            nxt.append(self._linger_since[0] + self.cfg.unpin_delay_s)
         return min(nxt) if nxt else None
 
     # ------------------------------------------------------------ encoder events
@@ -624,6 +629,7 @@ class Scheduler:
     def _drop_entry(self, key: bytes) -> None:
         """Forget a resident entry; live requests that still need it go back to waiting."""
         self.index.drop(key)
+        self._lingering.pop(key, None)
         for rid in self.users.get(key, ()):
             req = self.requests[rid]
             if req.state is ReqState.RUNNING:

@@ -516,14 +516,14 @@ def _check_invariants(s):
         # pinned while a live request needs it (but a full ring's pins that only waiting requests
         # hold are released), and otherwise only while lingering, for at most unpin_delay_s
         users = s.users.get(k)
-        lingering = k in s._lingering and s._lingering[k][2] is e
+        lingering = s._lingering.get(k) is e
         if users:
             assert e.pinned or all(s.requests[r].state is ReqState.WAITING for r in users), k
+            assert not lingering, k
         else:
             assert e.pinned == lingering, k
-            assert not lingering or s.clock() - s._lingering[k][0] <= s.cfg.unpin_delay_s, k
-        if lingering:
-            assert not s.users.get(k) and s.clock() - s._lingering[k][0] <= s.cfg.unpin_delay_s, k
+            assert not lingering or s.clock() - e.linger_since <= s.cfg.unpin_delay_s, k
+    assert all(e is s.index.get(k) for k, e in s._lingering.items())  # no record outlives its entry
     held: dict[bytes, int] = {}
     for r in s.requests.values():
         if r.state in (ReqState.WAITING, ReqState.READY):
@@ -721,7 +721,7 @@ def test_a_pin_lingers_and_the_unpins_of_many_requests_leave_together(clock):
     clock.t += 0.03
     s.expire()
     assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 4)])]
-    assert s.gauges()["index_pinned"] == 0 and not s._linger_queue and not s._lingering
+    assert s.gauges()["index_pinned"] == 0 and not s._linger_since and not s._lingering
     assert K(1) in s.index and K(2) in s.index  # resident for later hits
 
 
@@ -791,6 +791,20 @@ def test_a_lingering_record_of_a_dropped_entry_never_unpins_its_successor_early(
     clock.t += 0.03
     s.expire()
     assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 2)])]
+
+
+def test_a_hit_on_an_entry_that_replaced_a_lingering_one_pins_it(clock):
+    s = make(clock, unpin_delay_s=0.05)
+    finish_encode(s, of(submit(s, "r1", [K(1)]), SendEncode)[0], gen=1)
+    s.on_tokens("pd-0", "r1", finished=True)  # gen 1 lingers
+    s.on_evicted("enc-0", [EntryId(K(1), 1)])
+    enc = of(submit(s, "r2", [K(1)]), SendEncode)[0]
+    s.cancel("r2")
+    s.take_actions()
+    finish_encode(s, enc, gen=2)  # nobody waits: resident, unpinned
+    assert not s.index[K(1)].pinned
+    assert of(submit(s, "r3", [K(1)]), SendPin) == [SendPin("enc-0", [EntryId(K(1), 2)])]
+    assert s.counters["pins_reused"] == 0
 
 
 def test_unpin_delay_is_validated():
