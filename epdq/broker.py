@@ -593,12 +593,10 @@ class Broker:
                 self._send_worker(a.worker_id, P.Encode(a.job.job_id, a.job.key), [a.job.image])
             elif kind is SendPrefill:
                 self._send_prefill(a.worker_id, a.request, a.refs)
-            elif isinstance(a, SendPin):
+            elif kind is SendPin or kind is SendUnpin:
+                make = P.Pin if kind is SendPin else P.Unpin
                 for i in range(0, len(a.entries), ENTRIES_PER_MESSAGE):
-                    self._send_worker(a.worker_id, P.Pin(a.entries[i : i + ENTRIES_PER_MESSAGE]))
-            elif isinstance(a, SendUnpin):
-                for i in range(0, len(a.entries), ENTRIES_PER_MESSAGE):
-                    self._send_worker(a.worker_id, P.Unpin(a.entries[i : i + ENTRIES_PER_MESSAGE]))
+                    self._send_worker(a.worker_id, make(a.entries[i : i + ENTRIES_PER_MESSAGE]))
             elif isinstance(a, SendAbort):
                 self._send_worker(a.worker_id, P.Abort(a.rid))
             elif isinstance(a, Fail):

@@ -359,14 +359,14 @@ class Scheduler:
                 job.image = None
             entry = self.index.get(key)
             if entry is not None and entry.pinned:
-                self._release_pin(key, entry)
+                self._release_pin(entry)
 
-    def _release_pin(self, key: bytes, entry: IndexEntry) -> None:
+    def _release_pin(self, entry: IndexEntry) -> None:
         """The last live request holding `entry` is gone: unpin it now, or let the pin linger."""
         w = self.workers.get(entry.ref.encoder_id)
         if self.cfg.unpin_delay_s > 0 and w is not None and not w.draining:
             entry.linger_since = now = self.clock()
-            self._lingering[key] = entry
+            self._lingering[entry.ref.key] = entry
             self._linger_since.append(now)
             self._linger_entries.append(entry)
         elif self.index.unpin(entry):
