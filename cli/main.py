@@ -520,6 +520,12 @@ def bench_scale(ctx: typer.Context) -> None:
     _bench("scale", ctx.args)
 
 
+@bench_app.command("summary", **_PASS)
+def bench_summary(ctx: typer.Context) -> None:
+    """Every benchmark's targets in one table, from the JSON files the runs wrote (--help for options)."""
+    _bench("summary", ctx.args)
+
+
 def _os_reason(e: OSError) -> str:
     # mkdir(parents=True) reports a file in the way as "File exists", naming neither
     if isinstance(e, FileExistsError) and e.filename:

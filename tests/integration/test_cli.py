@@ -204,6 +204,7 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
         (["make-model", "/dev/null/model"], "error (config): cannot write the model to /dev/null/model:"),
         (["bench", "scale", "--workers", "1"], "epdq bench scale: error: workers must be 2..1000000"),
         (["bench", "handoff", "--out", "/dev/null/out"], "--out '/dev/null/out' is not a writable directory"),
+        (["bench", "summary", "/dev/null"], "epdq bench summary: error: /dev/null: not a directory"),
     ],
 )
 def test_unwritable_paths_and_bad_bench_flags_are_one_line_errors(argv, message):

@@ -1,0 +1,235 @@
+"""Every benchmark's targets in one table, read from the JSON files the runs wrote.
+
+`epdq bench summary [DIR]` looks in DIR (default `bench-results`, where the benchmarks write) for
+handoff.json, control.json, goodput.json (the cost model), goodput-real.json and scale.json, and
+prints each target of issue 4 with its goal, the figure measured, PASS / MISS (or "shown" where
+the issue asks for a figure and sets no bar), and when and how fast the machine was for that run:
+the README's "targets at a glance", made from your own runs. `--json FILE` also writes it;
+`--check` exits 1 when a judged target is missed (for CI).
+
+The files are read as untrusted input: each at most MAX_FILE_BYTES, parsed as JSON, and checked
+for the fields used; a file that is not a result of its benchmark is named with the reason and
+the command exits 2, nothing half-printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from epdq.benchmarks.report import table
+
+MAX_FILE_BYTES = 64 * 2**20  # the largest result here is ~100 KB; a 64 MiB one is not ours
+# file -> (the "benchmark" field it must carry, its "kind" where one file name is shared)
+FILES: dict[str, tuple[str, str | None]] = {
+    "handoff.json": ("handoff", None),
+    "control.json": ("control", None),
+    "goodput.json": ("goodput", "cost"),
+    "goodput-real.json": ("goodput", "real"),
+    "scale.json": ("scale", None),
+}
+HOW = {  # the command that writes each file (into --out, default bench-results)
+    "handoff.json": "epdq bench handoff --repeats 40",
+    "control.json": "epdq bench control --requests 8000",
+    "goodput.json": "epdq bench goodput",
+    "goodput-real.json": "epdq bench goodput --real",
+    "scale.json": "epdq bench scale",
+}
+GOODPUT_TARGET = 2.0  # EPD / colocated goodput with 4 images per request, cost model
+
+
+class ResultError(ValueError):
+    """A results file that cannot be read as its benchmark's output."""
+
+
+@dataclass(slots=True)
+class Row:
+    benchmark: str
+    target: str
+    goal: str
+    value: str
+    result: str  # PASS, MISS or shown
+    measured: str  # the run's time (UTC) and the machine's speed then
+
+
+def summarize(folder: str | Path) -> dict[str, Any]:
+    """{"rows": [Row...], "missing": [(file, command)...]} for the results in `folder`.
+    ResultError names the first file that is there but is not a result of its benchmark."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise ResultError(f"{folder}: not a directory (the benchmarks write to --out, default bench-results)")
+    rows: list[Row] = []
+    missing: list[tuple[str, str]] = []
+    for name, (bench, kind) in FILES.items():
+        path = d / name
+        if not path.exists():
+            missing.append((name, HOW[name]))
+            continue
+        data = _load(path, bench, kind)
+        when = _when(data)
+        try:
+            made = _ROWS[name](data)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ResultError(f"{path}: not a {bench} result this version reads ({type(e).__name__}: {e})") from None
+        rows.extend(Row(bench if kind is None else f"{bench} ({kind})", t, g, v, r, when) for t, g, v, r in made)
+    return {"rows": rows, "missing": missing}
+
+
+def _load(path: Path, bench: str, kind: str | None) -> dict[str, Any]:
+    try:
+        if not path.is_file():
+            raise ResultError(f"{path}: not a regular file")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ResultError(f"{path}: larger than {MAX_FILE_BYTES // 2**20} MiB; not a benchmark result")
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ResultError(f"{path}: cannot be read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResultError(f"{path}: not JSON ({e})") from None
+    except RecursionError:  # [[[[...]]]]: json gives up at the interpreter's depth limit
+        raise ResultError(f"{path}: nested too deeply to be a benchmark result") from None
+    if not isinstance(data, dict) or data.get("benchmark") != bench or (kind and data.get("kind") != kind):
+        got = data.get("benchmark") if isinstance(data, dict) else type(data).__name__
+        raise ResultError(f"{path}: not a result of `{HOW[path.name]}` (benchmark: {got!r})")
+    return data
+
+
+def _when(data: dict[str, Any]) -> str:
+    env = data.get("environment")
+    env = env if isinstance(env, dict) else {}
+    t = env.get("time_utc")
+    speed = env.get("speed") if isinstance(env.get("speed"), dict) else {}
+    loop = speed.get("python_loop_ns")
+    out = str(t).replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
+    return out + (f" (loop {loop:.0f} ns)" if _num(loop) else "")
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _x(v: Any, digits: int = 2) -> str:
+    return f"{v:.{digits}f}×" if _num(v) else "n/a"
+
+
+def _judge(ok: Any) -> str:
+    return "PASS" if ok is True else "MISS"
+
+
+def _handoff(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    out = []
+    for t in data["targets"]:
+        size = f"{float(t['size_mib']):g} MiB"
+        out.append((f"ring (view) ÷ one memcpy, {size}", f"≤ {t['ring_target']:g}×", _x(t["ring_over_memcpy"]),
+                    _judge(t["ring_pass"])))  # fmt: skip
+        out.append((f"safetensors path ÷ ring, {size}", f"≥ {t['safetensors_target']:g}×",
+                    _x(t["safetensors_over_ring"], 1), _judge(t["safetensors_pass"])))  # fmt: skip
+    return out
+
+
+def _control(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    out = []
+    for t in data["targets"]:
+        v, limit = t["value"], float(t["limit"])
+        if not _num(v):
+            shown = "n/a"
+        elif limit >= 100:  # requests per second
+            shown = f"{v:,.0f} req/s"
+        elif t["at_most"]:  # a latency ratio
+            shown = f"{v:.2f}"
+        else:
+            shown = _x(v)
+        out.append((str(t["target"]), str(t["goal"]), shown, _judge(t["pass"])))
+    return out
+
+
+def _goodput(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    topo = [t for t in data["topology"] if _num(t["ratio"])]
+    out = []
+    if topo:
+        best = max(topo, key=lambda t: t["ratio"])
+        out.append((
+            "EPD ÷ colocated goodput, 4 images, cost model (best N)", f"≥ {GOODPUT_TARGET:g}×",
+            f"{_x(best['ratio'])} ({best['epd']} vs {best['colocated']})", _judge(best["ratio"] >= GOODPUT_TARGET),
+        ))  # fmt: skip
+    systems = data["systems"]
+    out.append((f"the same at the run's N ({systems['epd']} vs {systems['colocated']})", "shown",
+                _x(data["epd_over_colocated_4img"]), "shown"))  # fmt: skip
+    out.append(("cache gain, repeated images", "shown", _x(data["cache_gain"]), "shown"))
+    return out
+
+
+def _goodput_real(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    g = data["goodput_rps"]
+    epd, col = g["epd"], g["colocated"]
+    rates = f"EPD {epd:.1f}, colocated {col:.1f} req/s" if _num(epd) and _num(col) else "no load met the SLOs"
+    return [("EPD ÷ colocated goodput, real tiny model on CPU", "shown",
+             f"{_x(data['epd_over_colocated'])} ({rates})", "shown")]  # fmt: skip
+
+
+def _scale(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    w = data["workers"]
+    per = data["per_decision_us"]
+    out = [(f"time per dispatch decision, {w['encoders'] + w['pds']:,} workers, {data['requests']:,} requests",
+            "shown", f"encode {per['encode']:.1f} µs, prefill {per['prefill']:.1f} µs", "shown")]  # fmt: skip
+    mem = data.get("memory")
+    if isinstance(mem, dict) and _num(mem.get("bytes_per_queued_request")):
+        out.append(("memory per queued request", "shown", f"{mem['bytes_per_queued_request']:,.0f} B", "shown"))
+    return out
+
+
+_ROWS = {
+    "handoff.json": _handoff,
+    "control.json": _control,
+    "goodput.json": _goodput,
+    "goodput-real.json": _goodput_real,
+    "scale.json": _scale,
+}
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.summary") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", default="bench-results",
+                    help="the folder the benchmarks wrote to (their --out; default bench-results)")  # fmt: skip
+    ap.add_argument("--json", dest="json_out", metavar="FILE", default=None, help="also write the summary to this JSON file")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a judged target is missed")
+    a = ap.parse_args(argv)
+    try:
+        res = summarize(a.dir)
+    except ResultError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    rows: list[Row] = res["rows"]
+    if not rows:
+        print(f"{prog}: error: no benchmark results in {a.dir}; run, for instance, "
+              f"`{HOW['handoff.json']} --out {a.dir}`", file=sys.stderr)  # fmt: skip
+        return 2
+    print(table(["benchmark", "target", "goal", "measured", "result", "run (UTC)"],
+                [[r.benchmark, r.target, r.goal, r.value, r.result, r.measured] for r in rows],
+                title=f"Targets, from the results in {a.dir}"))  # fmt: skip
+    judged = [r for r in rows if r.result != "shown"]
+    missed = [r for r in judged if r.result == "MISS"]
+    print(f"\n{len(judged) - len(missed)} of {len(judged)} judged targets met")
+    for name, how in res["missing"]:
+        print(f"not run: {name} (`{how} --out {a.dir}`)")
+    if a.json_out:
+        body = {
+            "benchmark": "summary", "dir": str(a.dir), "rows": [asdict(r) for r in rows],
+            "missing": [n for n, _ in res["missing"]], "met": len(judged) - len(missed), "judged": len(judged),
+        }  # fmt: skip
+        try:
+            Path(a.json_out).write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n")
+        except OSError as e:
+            print(f"{prog}: error: cannot write {a.json_out}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"wrote {a.json_out}")
+    return 1 if a.check and missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""`epdq bench summary`: every benchmark's targets in one table, read from the runs' JSON files."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from epdq.benchmarks import scale, summary
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def _rows(capsys) -> dict[str, list[str]]:
+    """target -> the cells of its row in the printed table."""
+    out = capsys.readouterr().out
+    cells = ([c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| "))
+    return {c[1]: c for c in cells if c[0] != "benchmark"}
+
+
+def _control(ok_hits: bool) -> dict:
+    t = [
+        {"target": "epdq hit req/s at 32", "value": 11000.0 if ok_hits else 9000.0, "limit": 10000.0,
+         "at_most": False, "goal": "≥ 10,000", "pass": ok_hits},
+        {"target": "hit p50 latency vs http-vllm at 1", "value": 0.25, "limit": 1 / 3, "at_most": True,
+         "goal": "≤ ⅓", "pass": True},
+        {"target": "hit throughput vs http-vllm at 32", "value": None, "limit": 5.0, "at_most": False,
+         "goal": "≥ 5×", "pass": False},
+    ]  # fmt: skip
+    env = {"time_utc": "2026-12-03T14:06:06Z", "speed": {"python_loop_ns": 26.3}}
+    return {"benchmark": "control", "environment": env, "targets": t}
+
+
+def test_the_committed_results_of_every_benchmark_are_read(tmp_path, capsys):
+    # the files README's tables come from: real outputs of each benchmark (format drift shows here)
+    assert summary.main([str(RESULTS)]) == 0
+    rows = _rows(capsys)
+    assert rows["ring (view) ÷ one memcpy, 32 MiB"][2] == "≤ 1.3×"
+    assert rows["safetensors path ÷ ring, 8 MiB"][4] in ("PASS", "MISS")
+    assert rows["epdq miss req/s at 32"][3].endswith(" req/s")
+    assert rows["EPD ÷ colocated goodput, 4 images, cost model (best N)"][2] == "≥ 2×"
+    assert rows["cache gain, repeated images"][4] == "shown"
+    assert "real tiny model" in next(t for t in rows if t.startswith("EPD ÷ colocated goodput, real"))
+    assert any(t.startswith("time per dispatch decision") for t in rows)
+    assert summary.main([str(RESULTS), "--json", str(tmp_path / "s.json")]) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["benchmark"] == "summary" and data["missing"] == [] and 0 < data["met"] <= data["judged"]
+    assert {r["result"] for r in data["rows"]} <= {"PASS", "MISS", "shown"}
+
+
+def test_a_fresh_run_is_read_and_the_benchmarks_not_run_are_named(tmp_path, capsys):
+    scale.run(workers=10, requests=50, nodes=2, memory=False, out_dir=str(tmp_path))
+    capsys.readouterr()
+    assert summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "encode " in out and " µs, prefill " in out and "0 of 0 judged targets met" in out
+    for name in ("handoff.json", "control.json", "goodput.json", "goodput-real.json"):
+        assert f"not run: {name} (`epdq bench " in out and f"--out {tmp_path}`" in out
+
+
+def test_check_exits_1_only_when_a_judged_target_is_missed(tmp_path, capsys):
+    (tmp_path / "control.json").write_text(json.dumps(_control(ok_hits=True)))
+    assert summary.main([str(tmp_path), "--check"]) == 1  # a ratio the run could not measure is a miss
+    rows = _rows(capsys)
+    assert rows["hit throughput vs http-vllm at 32"][3:5] == ["n/a", "MISS"]
+    assert rows["epdq hit req/s at 32"][3:6] == ["11,000 req/s", "PASS", "2026-12-03 14:06 (loop 26 ns)"]
+    assert rows["hit p50 latency vs http-vllm at 1"][3] == "0.25"
+    data = _control(ok_hits=True)
+    data["targets"] = data["targets"][:2]
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    assert summary.main([str(tmp_path), "--check"]) == 0
+    assert summary.main([str(tmp_path)]) == 0 and "2 of 2 judged targets met" in capsys.readouterr().out
+    (tmp_path / "control.json").write_text(json.dumps(_control(ok_hits=False)))
+    assert summary.main([str(tmp_path)]) == 0  # without --check a miss is reported, not an error
+
+
+@pytest.mark.parametrize(
+    "name, body, why",
+    [
+        ("control.json", b"{not json", "not JSON"),
+        ("control.json", b"\xff\xfe", "not JSON"),
+        ("control.json", b"[1, 2]", "not a result of `epdq bench control"),
+        ("control.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ("handoff.json", json.dumps({"benchmark": "control"}).encode(), "(benchmark: 'control')"),
+        ("goodput-real.json", json.dumps({"benchmark": "goodput", "kind": "cost"}).encode(), "goodput --real"),
+        ("control.json", json.dumps({"benchmark": "control"}).encode(), "KeyError"),
+        ("control.json", json.dumps({"benchmark": "control", "targets": [{"value": 1}]}).encode(), "KeyError"),
+        ("control.json", json.dumps({"benchmark": "control", "targets": 7}).encode(), "TypeError"),
+        ("scale.json", json.dumps({"benchmark": "scale", "workers": "x"}).encode(), "not a scale result"),
+    ],
+)
+def test_a_file_that_is_not_its_benchmarks_result_is_named_with_the_reason(tmp_path, capsys, name, body, why):
+    (tmp_path / name).write_bytes(body)
+    assert summary.main([str(tmp_path)]) == 2
+    err = capsys.readouterr()
+    assert why in err.err and str(tmp_path / name) in err.err and "Traceback" not in err.err
+    assert err.out == ""  # nothing half-printed
+
+
+def test_oversized_or_odd_files_and_folders_are_refused(tmp_path, capsys):
+    big = tmp_path / "control.json"
+    with open(big, "wb") as f:  # sparse: no disk used
+        f.truncate(summary.MAX_FILE_BYTES + 1)
+    assert summary.main([str(tmp_path)]) == 2
+    assert "larger than 64 MiB" in capsys.readouterr().err
+    big.unlink()
+    (tmp_path / "control.json").mkdir()
+    assert summary.main([str(tmp_path)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "control.json")
+    assert summary.main([str(tmp_path)]) == 2  # nothing there
+    assert "no benchmark results in" in capsys.readouterr().err
+    assert summary.main([str(tmp_path / "absent")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "control.json").write_text(json.dumps(_control(ok_hits=True)))
+    target = tmp_path / "no" / "such" / "dir" / "s.json"
+    assert summary.main([str(tmp_path), "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err
+
+
+def test_an_unreadable_file_is_named(tmp_path, capsys, monkeypatch):
+    # CI runs as root, which reads a file of mode 0: the refusal is made by hand
+    (tmp_path / "scale.json").write_text("{}")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    assert summary.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "scale.json: cannot be read: Permission denied" in err and "Traceback" not in err
