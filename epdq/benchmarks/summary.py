@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,6 @@ from typing import Any
 from epdq.benchmarks.report import table
 
 MAX_FILE_BYTES = 64 * 2**20  # the largest result here is ~100 KB; a 64 MiB one is not ours
-# file -> (the "benchmark" field it must carry, its "kind" where one file name is shared)
-FILES: dict[str, tuple[str, str | None]] = {
-    "handoff.json": ("handoff", None),
-    "control.json": ("control", None),
-    "goodput.json": ("goodput", "cost"),
-    "goodput-real.json": ("goodput", "real"),
-    "scale.json": ("scale", None),
-}
-HOW = {  # the command that writes each file (into --out, default bench-results)
-    "handoff.json": "epdq bench handoff --repeats 40",
-    "control.json": "epdq bench control --requests 8000",
-    "goodput.json": "epdq bench goodput",
-    "goodput-real.json": "epdq bench goodput --real",
-    "scale.json": "epdq bench scale",
-}
 GOODPUT_TARGET = 2.0  # EPD / colocated goodput with 4 images per request, cost model
 
 
@@ -65,22 +51,23 @@ def summarize(folder: str | Path) -> dict[str, Any]:
         raise ResultError(f"{folder}: not a directory (the benchmarks write to --out, default bench-results)")
     rows: list[Row] = []
     missing: list[tuple[str, str]] = []
-    for name, (bench, kind) in FILES.items():
+    for name, src in SOURCES.items():
         path = d / name
         if not path.exists():
-            missing.append((name, HOW[name]))
+            missing.append((name, src.how))
             continue
-        data = _load(path, bench, kind)
+        data = _load(path, src)
         when = _when(data)
         try:
-            made = _ROWS[name](data)
+            made = src.rows(data)
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise ResultError(f"{path}: not a {bench} result this version reads ({type(e).__name__}: {e})") from None
-        rows.extend(Row(bench if kind is None else f"{bench} ({kind})", t, g, v, r, when) for t, g, v, r in made)
+            raise ResultError(f"{path}: not a {src.bench} result this version reads ({type(e).__name__}: {e})") from None
+        label = src.bench if src.kind is None else f"{src.bench} ({src.kind})"
+        rows.extend(Row(label, t, g, v, r, when) for t, g, v, r in made)
     return {"rows": rows, "missing": missing}
 
 
-def _load(path: Path, bench: str, kind: str | None) -> dict[str, Any]:
+def _load(path: Path, src: _Source) -> dict[str, Any]:
     try:
         if not path.is_file():
             raise ResultError(f"{path}: not a regular file")
@@ -93,9 +80,9 @@ def _load(path: Path, bench: str, kind: str | None) -> dict[str, Any]:
         raise ResultError(f"{path}: not JSON ({e})") from None
     except RecursionError:  # [[[[...]]]]: json gives up at the interpreter's depth limit
         raise ResultError(f"{path}: nested too deeply to be a benchmark result") from None
-    if not isinstance(data, dict) or data.get("benchmark") != bench or (kind and data.get("kind") != kind):
+    if not isinstance(data, dict) or data.get("benchmark") != src.bench or (src.kind and data.get("kind") != src.kind):
         got = data.get("benchmark") if isinstance(data, dict) else type(data).__name__
-        raise ResultError(f"{path}: not a result of `{HOW[path.name]}` (benchmark: {got!r})")
+        raise ResultError(f"{path}: not a result of `{src.how}` (benchmark: {got!r})")
     return data
 
 
@@ -183,12 +170,23 @@ def _scale(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return out
 
 
-_ROWS = {
-    "handoff.json": _handoff,
-    "control.json": _control,
-    "goodput.json": _goodput,
-    "goodput-real.json": _goodput_real,
-    "scale.json": _scale,
+_Made = list[tuple[str, str, str, str]]  # (target, goal, figure, PASS / MISS / shown)
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    bench: str  # the "benchmark" field its file must carry
+    kind: str | None  # and its "kind", where two files come from one benchmark
+    how: str  # the command that writes it (into --out, default bench-results)
+    rows: Callable[[dict[str, Any]], _Made]
+
+
+SOURCES: dict[str, _Source] = {
+    "handoff.json": _Source("handoff", None, "epdq bench handoff --repeats 40", _handoff),
+    "control.json": _Source("control", None, "epdq bench control --requests 8000", _control),
+    "goodput.json": _Source("goodput", "cost", "epdq bench goodput", _goodput),
+    "goodput-real.json": _Source("goodput", "real", "epdq bench goodput --real", _goodput_real),
+    "scale.json": _Source("scale", None, "epdq bench scale", _scale),
 }
 
 
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     rows: list[Row] = res["rows"]
     if not rows:
         print(f"{prog}: error: no benchmark results in {a.dir}; run, for instance, "
-              f"`{HOW['handoff.json']} --out {a.dir}`", file=sys.stderr)  # fmt: skip
+              f"`{SOURCES['handoff.json'].how} --out {a.dir}`", file=sys.stderr)  # fmt: skip
         return 2
     print(table(["benchmark", "target", "goal", "measured", "result", "run (UTC)"],
                 [[r.benchmark, r.target, r.goal, r.value, r.result, r.measured] for r in rows],
