@@ -486,10 +486,10 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: comparison table
 app.add_typer(bench_app, name="bench")
 
 
-def _bench(module: str, argv: list[str]) -> None:
+def _bench(module: str, argv: list[str], name: str | None = None) -> None:
     import importlib
 
-    rc = importlib.import_module(f"epdq.benchmarks.{module}").main(argv, prog=f"epdq bench {module}")
+    rc = importlib.import_module(f"epdq.benchmarks.{module}").main(argv, prog=f"epdq bench {name or module}")
     raise typer.Exit(rc if isinstance(rc, int) else 0)
 
 
@@ -518,6 +518,12 @@ def bench_goodput(ctx: typer.Context) -> None:
 def bench_scale(ctx: typer.Context) -> None:
     """The scheduler with 1,000 simulated workers and 100,000 queued requests (--help for options)."""
     _bench("scale", ctx.args)
+
+
+@bench_app.command("all", **_PASS)
+def bench_all(ctx: typer.Context) -> None:
+    """Every benchmark into one folder, then their targets in one table (--help for options)."""
+    _bench("suite", ctx.args, "all")
 
 
 @bench_app.command("summary", **_PASS)
