@@ -107,7 +107,10 @@ class Scheduler:
         self._jobs_by_id: dict[int, EncodeJob] = {}
         self._encode_queue: deque[EncodeJob] = deque()
         self._ready: dict[str, deque[str]] = {"epd": deque(), "colocated": deque()}
-        self.users: dict[bytes, set[str]] = {}  # key -> live EPD requests referencing it
+        # key -> live EPD requests referencing it, in the order they came: a dict, not a set, so
+        # that the requests an encode completes become ready first come, first served (a set of
+        # str iterates in an order that changes with PYTHONHASHSEED)
+        self.users: dict[bytes, dict[str, None]] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._leases: list[tuple[float, int, int]] = []  # (expiry, job id, attempt)
         self._next_job = 1
@@ -283,8 +286,8 @@ class Scheduler:
         return "epd"
 
     def _reference(self, req: Request, key: bytes) -> None:
-        users = self.users.setdefault(key, set())
-        users.add(req.rid)
+        users = self.users.setdefault(key, {})
+        users[req.rid] = None
         entry = self.index.get(key)
         if entry is not None:
             req.cache_hits += 1
@@ -345,7 +348,7 @@ class Scheduler:
             users = self.users.get(key)
             if users is None:
                 continue
-            users.discard(req.rid)
+            users.pop(req.rid, None)
             if users:
                 continue
             del self.users[key]
@@ -515,7 +518,7 @@ class Scheduler:
             ]
             heapq.heapify(self._leases)
         key = job.key
-        users = self.users.get(key, set())
+        users = self.users.get(key, {})
         if key in self.index or not users:
             # a duplicate of a resident entry, or nobody waits any more: resident but unpinned
             self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
@@ -586,15 +589,15 @@ class Scheduler:
         if job is None or job.worker != worker_id or w is None:
             return
         self.counters["ring_blocks"] += 1
-        mine = self.users.get(job.key, set())
+        mine = self.users.get(job.key, {})
         own = 0
         release: list[EntryId] = []
         for key in self.index.keys_of(worker_id):
             entry = self.index[key]
             if not entry.pinned:
                 continue
-            users = self.users.get(key, ())
-            if users & mine:
+            users = self.users.get(key, {})
+            if not mine.keys().isdisjoint(users):
                 own += entry_span(entry.ref.nbytes)
             elif users and all(self.requests[r].state is ReqState.WAITING for r in users):
                 release.append(entry.entry_id())

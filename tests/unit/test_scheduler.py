@@ -89,6 +89,21 @@ def test_concurrent_duplicates_are_encoded_once(clock):
     assert {a.request.rid for a in of(acts, SendPrefill)} == {"r1", "r2"}
 
 
+def test_requests_joined_on_one_image_become_ready_first_come_first_served(clock):
+    # they were kept in a set of request ids, whose order follows str hashes: the order of
+    # dispatch (and the cost-model goodput's figures) changed with PYTHONHASHSEED
+    s = make(clock, pd_cap=1)
+    rids = [f"r{i}-{'x' * i}" for i in range(12)]
+    enc = of(submit(s, rids[0], [K(1)]), SendEncode)[0]
+    for rid in rids[1:]:
+        assert not of(submit(s, rid, [K(1)]), SendEncode)  # each joins the one encode
+    order = [a.request.rid for a in of(finish_encode(s, enc), SendPrefill)]
+    for _ in rids[1:]:
+        s.on_tokens("pd-0", order[-1], finished=True)
+        order += [a.request.rid for a in of(s.take_actions(), SendPrefill)]
+    assert order == rids
+
+
 def test_same_image_twice_in_one_request(clock):
     s = make(clock)
     acts = submit(s, "r1", [K(1), K(1)])
