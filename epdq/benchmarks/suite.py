@@ -1,7 +1,7 @@
 """`epdq bench all`: every benchmark, one after another, into one folder, then their targets in one
 table (`epdq bench summary`).
 
-At the sizes README's tables use (about 4 minutes here; `--real` adds the real tiny model's
+At the sizes README's tables use (about 3 minutes here; `--real` adds the real tiny model's
 goodput, about 3 more), or with `--quick` at small sizes for a first look (about a minute; its
 figures are noisier and the hand-off ratios at small repeat counts lean high). A benchmark that
 fails stops the run with its exit code; the files written so far stay in `--out`.
