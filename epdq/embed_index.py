@@ -34,7 +34,9 @@ class EmbedIndex:
 
     def __init__(self) -> None:
         self._entries: dict[bytes, IndexEntry] = {}
-        self._by_encoder: dict[str, set[bytes]] = {}  # encoder id -> keys resident in its ring
+        # encoder id -> keys resident in its ring, oldest first (a dict, not a set: a lost encoder's
+        # images are encoded again in the order they came, not in an order of their hashes)
+        self._by_encoder: dict[str, dict[bytes, None]] = {}
         self.nbytes = 0  # embedding bytes resident, over all rings
         self.pinned = 0  # entries pinned
 
@@ -62,7 +64,8 @@ class EmbedIndex:
         return self._entries.items()
 
     def keys_of(self, encoder_id: str) -> list[bytes]:
-        """The keys of the entries in `encoder_id`'s ring (a copy: safe to drop them meanwhile)."""
+        """The keys of the entries in `encoder_id`'s ring, oldest first (a copy: safe to drop them
+        meanwhile)."""
         return list(self._by_encoder.get(encoder_id, ()))
 
     # -- changing ----------------------------------------------------------------------------------
@@ -77,8 +80,8 @@ class EmbedIndex:
         self.pinned += pinned
         owned = self._by_encoder.get(ref.encoder_id)
         if owned is None:
-            owned = self._by_encoder[ref.encoder_id] = set()
-        owned.add(key)
+            owned = self._by_encoder[ref.encoder_id] = {}
+        owned[key] = None
         return entry
 
     def drop(self, key: bytes) -> IndexEntry:
@@ -88,7 +91,7 @@ class EmbedIndex:
         self.pinned -= entry.pinned
         owned = self._by_encoder.get(entry.ref.encoder_id)
         if owned is not None:
-            owned.discard(key)
+            owned.pop(key, None)
             if not owned:
                 del self._by_encoder[entry.ref.encoder_id]
         return entry

@@ -104,6 +104,24 @@ def test_requests_joined_on_one_image_become_ready_first_come_first_served(clock
     assert order == rids
 
 
+def test_a_lost_encoders_images_are_encoded_again_in_the_order_they_came(clock):
+    # its keys were a set of bytes, iterated in hash order: the re-encodes, and the requests
+    # waiting on them, went out in an order that changed with PYTHONHASHSEED
+    s = make(clock, enc=2, enc_cap=64, pd_cap=1)
+    s.drain_worker("enc-1")  # every first encode goes to enc-0
+    keys = [bytes([i]) * 8 + bytes([255 - i]) * 8 for i in range(40)]
+    s.submit("busy", b"client", [], [], 10.0, payload=None)  # holds the one PD slot: all wait
+    s.take_actions()
+    for i, k in enumerate(keys):
+        for a in of(submit(s, f"r{i}", [k]), SendEncode):
+            finish_encode(s, a)
+    s.add_worker("enc-2", Role.ENCODER, "n1", 64)
+    s.take_actions()
+    s.remove_worker("enc-0")
+    again = [a.job.key for a in of(s.take_actions(), SendEncode)]
+    assert again == keys
+
+
 def test_same_image_twice_in_one_request(clock):
     s = make(clock)
     acts = submit(s, "r1", [K(1), K(1)])
