@@ -36,7 +36,9 @@ class WorkerState:
     node: str
     capacity: int
     ring_capacity: int = 0
-    inflight: set = field(default_factory=set)  # encode job ids, or request ids for PD roles
+    # encode job ids, or request ids for PD roles, oldest first (a dict: a lost worker's work goes
+    # back to the queue in the order it came)
+    inflight: dict = field(default_factory=dict)
     listed: bool = False  # present in the free list of its role
     draining: bool = False  # finishing what it holds before it leaves: given nothing new
 

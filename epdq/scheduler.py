@@ -178,7 +178,8 @@ class Scheduler:
         if not (w.draining and not w.inflight):  # a drained worker leaving is planned, not lost
             self.counters["workers_lost"] += 1
         if w.role is Role.ENCODER:
-            for job_id in list(w.inflight):
+            # newest first: each goes back to the head of the queue, so the oldest ends up first
+            for job_id in list(reversed(w.inflight)):
                 job = self._jobs_by_id.get(job_id)
                 if job is not None and job.worker == worker_id:  # not one re-queued to another encoder
                     job.worker = None
@@ -187,7 +188,7 @@ class Scheduler:
             for key in self.index.keys_of(worker_id):
                 self._drop_entry(key)
         else:
-            for rid in list(w.inflight):
+            for rid in list(reversed(w.inflight)):  # newest first, as above
                 req = self.requests.get(rid)
                 if req is None or req.worker != worker_id:
                     continue

@@ -60,12 +60,12 @@ class WorkerPool:
         return None
 
     def take_slot(self, w: WorkerState, token: Any) -> None:
-        w.inflight.add(token)
+        w.inflight[token] = None
         self._list(w)  # back of the line: round robin among workers with credit
 
     def release_slot(self, w: WorkerState | None, token: Any) -> None:
         if w is not None and token in w.inflight:
-            w.inflight.discard(token)
+            del w.inflight[token]
             self._list(w)
 
     def _list(self, w: WorkerState) -> None:
