@@ -91,9 +91,12 @@ def _when(data: dict[str, Any]) -> str:
     env = env if isinstance(env, dict) else {}
     t = env.get("time_utc")
     speed = env.get("speed") if isinstance(env.get("speed"), dict) else {}
-    loop = speed.get("python_loop_ns")
-    out = str(t).replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
-    return out + (f" (loop {loop:.0f} ns)" if _num(loop) else "")
+    # both speeds: a slow Python loop and slow memory move different targets (2026-12-03)
+    loop, copy = speed.get("python_loop_ns"), speed.get("memcpy_gb_s")
+    parts = [f"loop {loop:.0f} ns" if _num(loop) else "", f"memcpy {copy:.1f} GB/s" if _num(copy) else ""]
+    out = t.replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
+    shown = ", ".join(p for p in parts if p)
+    return f"{out} ({shown})" if shown else out
 
 
 def _num(v: Any) -> bool:

@@ -27,7 +27,7 @@ def _control(ok_hits: bool) -> dict:
         {"target": "hit throughput vs http-vllm at 32", "value": None, "limit": 5.0, "at_most": False,
          "goal": "≥ 5×", "pass": False},
     ]  # fmt: skip
-    env = {"time_utc": "2026-12-03T14:06:06Z", "speed": {"python_loop_ns": 26.3}}
+    env = {"time_utc": "2026-12-03T14:06:06Z", "speed": {"python_loop_ns": 26.3, "memcpy_gb_s": 6.88}}
     return {"benchmark": "control", "environment": env, "targets": t}
 
 
@@ -63,13 +63,16 @@ def test_check_exits_1_only_when_a_judged_target_is_missed(tmp_path, capsys):
     assert summary.main([str(tmp_path), "--check"]) == 1  # a ratio the run could not measure is a miss
     rows = _rows(capsys)
     assert rows["hit throughput vs http-vllm at 32"][3:5] == ["n/a", "MISS"]
-    assert rows["epdq hit req/s at 32"][3:6] == ["11,000 req/s", "PASS", "2026-12-03 14:06 (loop 26 ns)"]
+    assert rows["epdq hit req/s at 32"][3:6] == ["11,000 req/s", "PASS", "2026-12-03 14:06 (loop 26 ns, memcpy 6.9 GB/s)"]
     assert rows["hit p50 latency vs http-vllm at 1"][3] == "0.25"
     data = _control(ok_hits=True)
     data["targets"] = data["targets"][:2]
+    data["environment"] = {"time_utc": 7, "speed": {"memcpy_gb_s": "fast"}}  # what it cannot read: left out
     (tmp_path / "control.json").write_text(json.dumps(data))
     assert summary.main([str(tmp_path), "--check"]) == 0
-    assert summary.main([str(tmp_path)]) == 0 and "2 of 2 judged targets met" in capsys.readouterr().out
+    assert summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 judged targets met" in out and "| PASS   | ?" in out
     (tmp_path / "control.json").write_text(json.dumps(_control(ok_hits=False)))
     assert summary.main([str(tmp_path)]) == 0  # without --check a miss is reported, not an error
 
