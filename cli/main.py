@@ -487,10 +487,9 @@ app.add_typer(bench_app, name="bench")
 
 
 def _bench(module: str, argv: list[str], name: str | None = None) -> None:
-    import importlib
+    from epdq.benchmarks.suite import run_one
 
-    rc = importlib.import_module(f"epdq.benchmarks.{module}").main(argv, prog=f"epdq bench {name or module}")
-    raise typer.Exit(rc if isinstance(rc, int) else 0)
+    raise typer.Exit(run_one(module, argv, name))
 
 
 _PASS = {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
-from pathlib import Path
 
 from epdq.benchmarks import summary
 from epdq.benchmarks.report import check_out_dir
@@ -37,11 +36,12 @@ def steps(quick: bool, real: bool) -> list[tuple[str, list[str]]]:
     return [*(QUICK if quick else FULL), *([REAL] if real else [])]
 
 
-def run_one(name: str, argv: list[str]) -> int:
-    """One benchmark's `main`, as `epdq bench NAME ARGV...` runs it; its exit code."""
+def run_one(name: str, argv: list[str], command: str | None = None) -> int:
+    """A benchmark module's `main`, as `epdq bench COMMAND ARGV...` runs it (COMMAND defaults to
+    the module's name); its exit code."""
     module = importlib.import_module(f"epdq.benchmarks.{name}")
     try:
-        rc = module.main(argv, prog=f"epdq bench {name}")
+        rc = module.main(argv, prog=f"epdq bench {command or name}")
     except SystemExit as e:  # argparse's usage errors
         return e.code if isinstance(e.code, int) else 2
     return rc if isinstance(rc, int) else 0
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
             return rc
         print(f"=== epdq bench {name}: {time.monotonic() - t:.0f} s", flush=True)
     print(f"\n=== all {len(plan)} benchmarks in {time.monotonic() - t0:.0f} s; their targets:", flush=True)
-    return summary.main([str(Path(a.out)), *(["--check"] if a.check else [])], prog="epdq bench summary")
+    return summary.main([a.out, *(["--check"] if a.check else [])], prog="epdq bench summary")
 
 
 if __name__ == "__main__":
