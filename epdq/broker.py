@@ -153,7 +153,9 @@ class Broker:
         self.scope = self.cfg.scope
         self.workers: dict[bytes, _Peer] = {}  # by socket identity
         self._by_id: dict[str, _Peer] = {}
-        self._clients: dict[bytes, set[str]] = {}  # client identity -> live request ids
+        # client identity -> live request ids, oldest first (insertion-ordered: a disconnect cancels
+        # them in the order they came, the same from one run to the next)
+        self._clients: dict[bytes, dict[str, None]] = {}
         self._client_seen: dict[bytes, float] = {}
         self.counters = {"protocol_errors": 0, "messages_in": 0, "refused_registrations": 0}
         self.channel: Channel | None = None
@@ -336,7 +338,7 @@ class Broker:
                 self._log_failed(rid[:128], e, None)
             self._send(identity, P.Error(rid, e.code, e.message, getattr(e, "retry_after", 0.0)))
             return
-        self._clients.setdefault(identity, set()).add(rid)
+        self._clients.setdefault(identity, {})[rid] = None
         self._client_seen[identity] = time.monotonic()
 
     def _validate_submit(self, msg: P.Submit, payload: list[Any]) -> None:
@@ -693,7 +695,7 @@ class Broker:
     def _forget_client_request(self, client: bytes, rid: str) -> None:
         live = self._clients.get(client)
         if live is not None:
-            live.discard(rid)
+            live.pop(rid, None)
             if not live:
                 del self._clients[client]
                 self._client_seen.pop(client, None)

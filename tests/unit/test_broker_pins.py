@@ -27,3 +27,20 @@ def test_a_great_many_unpins_go_in_messages_the_encoder_accepts():
         header = P.encode(m)[1]
         assert len(header) < P.MAX_HEADER_BYTES
         assert P.decode(P.encode(m))[0].entries == m.entries
+
+
+def test_a_lost_clients_requests_are_cancelled_in_the_order_they_came():
+    # the broker's record of a client's live requests is insertion-ordered: what a disconnect
+    # cancels (and the aborts it sends to workers) goes oldest first, whatever the ids' hashes
+    broker = Broker(BrokerConfig(address="ipc:///x/b.sock"))
+    client = b"client-1"
+    rids = [f"req-{i}" for i in (7, 3, 11, 0, 5, 42, 1)]
+    for rid in rids:
+        sub = P.Submit(rid, [P.ChatMessage("user", [P.Part("text", "hi")])], P.Sampling(), 30.0, 0)
+        broker._on_submit(client, None, sub, [])
+    cancelled: list[str] = []
+    cancel = broker.scheduler.cancel
+    broker.scheduler.cancel = lambda rid, who=None: cancelled.append(rid) or cancel(rid, who)
+    broker._peer_unreachable(client)
+    assert cancelled == rids
+    assert not broker.scheduler.requests and client not in broker._clients
