@@ -560,10 +560,15 @@ class Scheduler:
     def _fail_job(self, job: EncodeJob, err: EpdqError) -> None:
         self.jobs.pop(job.key, None)
         self._jobs_by_id.pop(job.job_id, None)
-        for rid in list(self.users.get(job.key, ())):
-            req = self.requests.get(rid)
-            if req is not None:
-                self._finish(req, error_from_code(err.code, err.message))
+        for req in self._waiting_for(job.key):
+            self._finish(req, error_from_code(err.code, err.message))
+
+    def _waiting_for(self, key: bytes) -> list[Request]:
+        """The live requests waiting for `key`'s encode, oldest first. Not every user of the key:
+        one running (or ready) since an earlier entry of the same image has its bytes already,
+        and another request's failed re-encode is not its failure."""
+        live = self.requests
+        return [r for rid in self.users.get(key, ()) if (r := live.get(rid)) is not None and key in r.pending]
 
     def _pin(self, req: Request) -> None:
         by_encoder: dict[str, list[EntryId]] = {}
@@ -580,9 +585,11 @@ class Scheduler:
         Pins held by requests still waiting for other images can deadlock the rings: each ring
         full of halves of requests whose other halves need room. So the pins that only waiting
         requests hold on that encoder are released (those entries may be evicted, and re-encoded
-        when needed), except the ones of the requests this job serves: they go first. When those
-        requests' own entries leave no room for this one, they never will: they fail.
-        Pins no request holds any more (lingering ones) are released first, whatever the job."""
+        when needed), except the ones of the requests this job serves, oldest first, as many as
+        fit beside it: they go first. A request whose own entries leave no room for this one
+        never will fit: it fails, alone (the others waiting for the same image are measured on
+        their own images, not on everyone's). Pins no request holds any more (lingering ones)
+        are released first, whatever the job."""
         job = self._jobs_by_id.get(job_id)
         w = self.workers.get(worker_id)
         if w is not None:
@@ -590,33 +597,52 @@ class Scheduler:
         if job is None or job.worker != worker_id or w is None:
             return
         self.counters["ring_blocks"] += 1
-        mine = self.users.get(job.key, {})
-        own = 0
-        release: list[EntryId] = []
-        for key in self.index.keys_of(worker_id):
-            entry = self.index[key]
-            if not entry.pinned:
+        index, cap, need = self.index, w.ring_capacity, entry_span(nbytes)
+        pinned = {key: index[key] for key in index.keys_of(worker_id) if index[key].pinned}
+        kept: set[str] = set()
+        kept_keys: set[bytes] = set()
+        kept_bytes = 0
+        too_big: list[tuple[Request, int]] = []
+        for req in self._waiting_for(job.key):  # oldest first
+            mine = [k for k in dict.fromkeys(req.keys) if k in pinned]
+            own = sum(entry_span(pinned[k].ref.nbytes) for k in mine)
+            if cap and own + need > cap:
+                too_big.append((req, own + need))
                 continue
-            users = self.users.get(key, {})
-            if not mine.keys().isdisjoint(users):
-                own += entry_span(entry.ref.nbytes)
-            elif users and all(self.requests[r].state is ReqState.WAITING for r in users):
-                release.append(entry.entry_id())
-        if w.ring_capacity and own + entry_span(nbytes) > w.ring_capacity:
-            job.worker = None
-            self._jobs_assigned -= 1
-            self.pool.release_slot(w, job_id)
-            self._fail_job(job, RingFullError(
-                f"the images of this request need {own + entry_span(nbytes)} bytes at once in encoder {worker_id}'s ring of "
-                f"{w.ring_capacity} bytes: send fewer or smaller images, or run encoders with a larger --ring-mb"
+            extra = sum(entry_span(pinned[k].ref.nbytes) for k in mine if k not in kept_keys)
+            if not cap or kept_bytes + extra + need <= cap:
+                kept.add(req.rid)
+                kept_keys.update(mine)
+                kept_bytes += extra
+        for req, total in too_big:
+            self._finish(req, RingFullError(
+                f"the images of this request need {total} bytes at once in encoder {worker_id}'s ring of "
+                f"{cap} bytes: send fewer or smaller images, or run encoders with a larger --ring-mb"
             ))  # fmt: skip
+        if too_big:
+            self._unpin_lingering_of(worker_id)  # what only they held: free at once, not in 50 ms
+        if not kept:  # nobody left to serve: the job goes (its result, if it ever lands, is unpinned)
+            if self._jobs_by_id.get(job_id) is job:
+                job.worker = None
+                self._jobs_assigned -= 1
+                self.pool.release_slot(w, job_id)
+                self._fail_job(job, RingFullError("no request waits for this image any more"))
             self.dispatch()
             return
+        release: list[EntryId] = []
+        for key in index.keys_of(worker_id):
+            entry = index[key]
+            users = self.users.get(key)
+            if entry.pinned and key not in kept_keys and users and all(
+                self.requests[r].state is ReqState.WAITING for r in users
+            ):
+                release.append(entry.entry_id())
         for e in release:
-            self.index.unpin(self.index[e.key])
+            index.unpin(index[e.key])
         if release:
             self.counters["pins_released"] += len(release)
             self._emit(SendUnpin(worker_id, release))
+        self.dispatch()
 
     def on_evicted(self, worker_id: str, entries: list[EntryId]) -> None:
         for e in entries:

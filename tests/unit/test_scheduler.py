@@ -757,6 +757,90 @@ def test_a_request_whose_images_cannot_share_the_ring_fails_at_once(clock):
     assert "A" not in s.requests and s.workers["enc-0"].credit >= 1  # the slot is free for C
 
 
+def test_requests_sharing_an_image_are_measured_on_their_own_images_when_the_ring_is_blocked(clock):
+    """A = [U1, H], C = [U2, H]: each needs two entries of a ring that holds three, so each fits,
+    though not both with H. The oldest (A) keeps its pins and gets the room; C's pin is released
+    (its image may be evicted and encoded again); neither is told its images can never fit."""
+    s = ring_sched(clock, ring=3200)
+    acts = submit(s, "A", [K(1), K(9)]) + submit(s, "C", [K(2), K(9)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(1)].job.job_id, ref_for(K(1), nbytes=1000))
+    s.on_encoded("enc-0", jobs[K(2)].job.job_id, ref_for(K(2), nbytes=1000))
+    s.take_actions()
+    s.on_ring_blocked("enc-0", jobs[K(9)].job.job_id, 1000)
+    acts = s.take_actions()
+    assert not of(acts, Fail) and set(s.requests) == {"A", "C"}
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(2), 1)])]
+    assert s.index[K(1)].pinned and not s.index[K(2)].pinned
+    # H lands (U2 evicted for it): A runs, C waits for U2 again
+    s.on_evicted("enc-0", [EntryId(K(2), 1)])
+    s.on_encoded("enc-0", jobs[K(9)].job.job_id, ref_for(K(9), nbytes=1000))
+    acts = s.take_actions()
+    assert [p.request.rid for p in of(acts, SendPrefill)] == ["A"]
+    assert s.requests["C"].state is ReqState.WAITING and s.requests["C"].pending == {K(2)}
+
+
+def test_only_the_request_that_cannot_fit_fails_when_others_share_the_blocked_image(clock):
+    # B's own images and H can never share the ring; A's can: B fails alone, A keeps going
+    s = ring_sched(clock, ring=4096)
+    acts = submit(s, "A", [K(9)]) + submit(s, "B", [K(1), K(2), K(9)])
+    jobs = {e.job.key: e for e in of(acts, SendEncode)}
+    s.on_encoded("enc-0", jobs[K(1)].job.job_id, ref_for(K(1), nbytes=1500))
+    s.on_encoded("enc-0", jobs[K(2)].job.job_id, ref_for(K(2), nbytes=1500))
+    s.take_actions()
+    s.on_ring_blocked("enc-0", jobs[K(9)].job.job_id, 1500)
+    acts = s.take_actions()
+    assert [(f.rid, type(f.error)) for f in of(acts, Fail)] == [("B", RingFullError)]
+    assert "A" in s.requests and s.jobs[K(9)].worker == "enc-0"  # the encode goes on, for A
+    assert of(acts, SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 1), EntryId(K(2), 1)])]
+    s.on_encoded("enc-0", jobs[K(9)].job.job_id, ref_for(K(9), nbytes=1500))
+    assert [p.request.rid for p in of(s.take_actions(), SendPrefill)] == ["A"]
+
+
+def test_a_failed_re_encode_fails_only_the_requests_waiting_for_it(clock):
+    """r1 runs on an embedding of K1 whose encoder is gone since; r2 sends the same image and
+    its encode fails: r2 fails, r1 (bytes copied long ago) keeps streaming."""
+    s = make(clock)
+    finish_encode(s, of(submit(s, "r1", [K(1)]), SendEncode)[0], gen=3)
+    s.on_tokens("pd-0", "r1", finished=False)
+    s.remove_worker("enc-0", "lost")
+    s.add_worker("enc-1", Role.ENCODER, "n1", 4)
+    s.take_actions()
+    (e2,) = of(submit(s, "r2", [K(1)]), SendEncode)
+    s.on_encode_failed("enc-1", e2.job.job_id, "engine", "CUDA out of memory")
+    acts = s.take_actions()
+    assert [f.rid for f in of(acts, Fail)] == ["r2"] and not of(acts, SendAbort)
+    assert s.requests["r1"].state is ReqState.RUNNING
+
+
+def test_a_blocked_re_encode_never_counts_a_running_request_as_waiting_for_it(clock):
+    # r1 runs holding K2; r3's stale read of K1 makes a re-encode that r2 joins; the ring (K2 of
+    # r1, K3 of r2) has no room for K1 until r1 ends: r2 keeps its pin and waits, nobody fails
+    s = ring_sched(clock, ring=3200)
+    gen = iter(range(10, 100))
+
+    def enc(acts, keys=None):
+        for a in of(acts, SendEncode):
+            if keys is None or a.job.key in keys:
+                s.on_encoded(a.worker_id, a.job.job_id, ref_for(a.job.key, a.worker_id, gen=next(gen), nbytes=1000))
+        return s.take_actions()
+
+    enc(submit(s, "r1", [K(1), K(2)]))
+    s.on_tokens("pd-0", "r1", finished=False)
+    s.take_actions()
+    submit(s, "r3", [K(1)])
+    s.on_pd_failed("pd-0", "r3", "stale", "overwritten", [EntryId(K(1), s.index[K(1)].ref.generation)])
+    (j1,) = [a for a in of(s.take_actions(), SendEncode) if a.job.key == K(1)]
+    enc(submit(s, "r2", [K(1), K(3)]), {K(3)})
+    s.on_ring_blocked("enc-0", j1.job.job_id, 1000)
+    acts = s.take_actions()
+    assert not of(acts, Fail) and not of(acts, SendAbort)
+    assert {r: q.state for r, q in s.requests.items()} == {
+        "r1": ReqState.RUNNING, "r3": ReqState.WAITING, "r2": ReqState.WAITING,
+    }  # fmt: skip
+    assert s.index[K(3)].pinned  # r2's own entry, kept beside the one it waits for
+
+
 def test_a_pin_lingers_and_the_unpins_of_many_requests_leave_together(clock):
     s = make(clock, unpin_delay_s=0.05)
     encs = of(submit(s, "r1", [K(1)]) + submit(s, "r2", [K(2)]), SendEncode)
