@@ -490,6 +490,13 @@ class Scheduler:
                 worker = job.worker
                 job.worker = None
                 self._jobs_assigned -= 1
+                # the next attempt under a new id: it may go to the same encoder, whose slot for
+                # the old one stays taken (one slot per id: two attempts under one id counted as
+                # one, and over-issued its credit); a late answer to the old id is then not ours
+                del self._jobs_by_id[job_id]
+                job = EncodeJob(self._next_job, job.key, job.image, job.attempts)
+                self._next_job += 1
+                self.jobs[job.key] = self._jobs_by_id[job.job_id] = job
                 self._retry_encode(job, WorkerLostError(f"encoder {worker} held the job past its lease"))
         self.dispatch()
         nxt = [h[0][0] for h in (self._deadlines, self._leases) if h]
@@ -505,7 +512,7 @@ class Scheduler:
         job = self._jobs_by_id.get(job_id)
         if job is None or job.worker != worker_id or ref.key != job.key:
             # a job re-queued meanwhile, or a confused worker: the entry is nobody's, let it go
-            self._emit(SendUnpin(worker_id, [EntryId(ref.key, ref.generation)]))
+            self._unpin_answer(worker_id, ref.key, ref.generation)
             self.dispatch()
             return
         del self._jobs_by_id[job_id]
@@ -522,7 +529,7 @@ class Scheduler:
         users = self.users.get(key, {})
         if key in self.index or not users:
             # a duplicate of a resident entry, or nobody waits any more: resident but unpinned
-            self._emit(SendUnpin(worker_id, [EntryId(key, ref.generation)]))
+            self._unpin_answer(worker_id, key, ref.generation)
         # an entry nobody waits for on a draining encoder is not cached: no new request may come
         # to depend on a ring that is going away
         if key not in self.index and (users or w is None or not w.draining):
@@ -533,6 +540,20 @@ class Scheduler:
             if not req.pending and req.state is ReqState.WAITING:
                 self._make_ready(req)
         self.dispatch()
+
+    def _unpin_answer(self, worker_id: str, key: bytes, generation: int) -> None:
+        """Release the pin an ENCODED answer carries (an encoder pins what it places or finds
+        resident), unless that pin is still wanted: an encoder's pin is one flag, not a count, and
+        its ring holds one entry per key, so this answer names the same entry as the index's
+        pinned one from that encoder, or as the answer to come of a job for the key it holds
+        now (a late answer to an attempt whose lease expired, the job since sent to it again)."""
+        entry = self.index.get(key)
+        if entry is not None and entry.pinned and entry.ref.encoder_id == worker_id:
+            return
+        job = self.jobs.get(key)
+        if job is not None and job.worker == worker_id:
+            return
+        self._emit(SendUnpin(worker_id, [EntryId(key, generation)]))
 
     def on_encode_failed(self, worker_id: str, job_id: int, code: str, message: str) -> None:
         self.pool.release_slot(self.workers.get(worker_id), job_id)

@@ -415,7 +415,8 @@ def test_encode_lease_expiry_requeues_to_another_encoder(clock):
     clock.t += 0.2
     s.expire()
     (again,) = of(s.take_actions(), SendEncode)
-    assert again.worker_id != first.worker_id and again.job.job_id == first.job.job_id
+    assert again.worker_id != first.worker_id and again.job.key == first.job.key
+    assert again.job.job_id != first.job.job_id  # a new attempt, a new id (see the test below)
     assert s.counters["leases_expired"] == 1
     # the stuck encoder's slot stays taken until it answers; its late answer is unpinned, not used
     assert s.workers[first.worker_id].credit == 0
@@ -425,6 +426,32 @@ def test_encode_lease_expiry_requeues_to_another_encoder(clock):
     assert s.workers[first.worker_id].credit == 1
     acts = finish_encode(s, again, gen=2)
     assert of(acts, SendPrefill)[0].refs[0].generation == 2
+
+
+def test_a_job_sent_again_to_the_encoder_that_still_holds_it_takes_a_slot_of_its_own(clock):
+    """The lease of a job on an encoder with credit to spare expires: the next attempt may go to
+    that same encoder. Both attempts hold a slot until answered (one id for both counted one, and
+    over-issued the credit), and the late answer to the first names the entry the second one
+    pins (a ring holds one entry per key; a pin is a flag): it must not unpin it."""
+    s = make(clock, enc=1, enc_cap=2, pd_cap=1, encode_lease_s=1.0)
+    submit(s, "busy", [])  # holds the PD worker: r1 stays ready, its entry pinned
+    (first,) = of(submit(s, "r1", [K(1)]), SendEncode)
+    clock.t += 1.5
+    s.expire()
+    (again,) = of(s.take_actions(), SendEncode)
+    assert again.worker_id == "enc-0" and again.job.job_id != first.job.job_id
+    assert s.workers["enc-0"].credit == 0  # two jobs held, two slots
+    s.on_encoded("enc-0", first.job.job_id, ref_for(K(1), "enc-0", gen=5))  # the late answer
+    assert not of(s.take_actions(), SendUnpin) and s.workers["enc-0"].credit == 1
+    s.on_encoded("enc-0", again.job.job_id, ref_for(K(1), "enc-0", gen=5))  # the same entry
+    acts = s.take_actions()
+    assert not of(acts, SendUnpin) and s.index[K(1)].pinned and s.requests["r1"].state is ReqState.READY
+    assert s.workers["enc-0"].credit == 2
+    s.on_tokens("pd-0", "busy", finished=True)
+    (p,) = of(s.take_actions(), SendPrefill)
+    assert p.request.rid == "r1" and p.refs[0].generation == 5
+    s.on_tokens("pd-0", "r1", finished=True)
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 5)])]  # once, at its end
 
 
 def test_lease_expiry_respects_attempt_cap(clock):
