@@ -48,6 +48,12 @@ ENTRIES_PER_MESSAGE = 4096
 # Lost request ids a PONG names at most (the client learns of the others at its next pings): a PONG
 # echoes what the PING listed, and the ids of a client that never reads would pile up here.
 MAX_PONG_UNKNOWN = 256
+# A connection's STATS requests are answered at most once per this interval; those that come
+# sooner are answered together at the next tick, by one reply carrying the latest nonce (the
+# client resolves every earlier request of that connection with it). A STATS reply is hundreds
+# of times the size of its request: answered one for one, a client that sent requests without
+# reading made the broker hold ~10,000 replies per message allowed in its send queue.
+STATS_INTERVAL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -161,6 +167,8 @@ class Broker:
         self.channel: Channel | None = None
         self._allow_dir: Path | None = None  # CURVE: where the worker keys are
         self._refused_keys: set[str | None] = set()
+        self._stats_due: dict[bytes, int] = {}  # identity -> latest nonce to answer at the next tick
+        self._stats_at: dict[bytes, float] = {}  # identity -> when it was last answered
         self.endpoint = ""
         self._stop = asyncio.Event()
         self.started_at = time.monotonic()
@@ -258,6 +266,8 @@ class Broker:
                 self._forgive_stall(now, now - last_tick)
             last_tick = now
             self.scheduler.expire()
+            if self._stats_due:
+                self._answer_stats_due(now)
             if now - last_hb >= self.cfg.heartbeat_s:
                 last_hb = now
                 dead = now - self.cfg.heartbeat_s * self.cfg.liveness
@@ -382,7 +392,20 @@ class Broker:
         self._send(identity, P.Pong(msg.nonce, self.broker_id, unknown, P.PROTOCOL_VERSION))
 
     def _on_stats(self, identity: bytes, peer: _Peer | None, msg: P.StatsRequest, payload: list[Any]) -> None:
+        now = time.monotonic()
+        if identity in self._stats_due or now - self._stats_at.get(identity, -STATS_INTERVAL_S) < STATS_INTERVAL_S:
+            self._stats_due[identity] = msg.nonce
+            return
+        if len(self._stats_at) >= 1024:  # only the last interval matters: forget the others
+            self._stats_at = {i: t for i, t in self._stats_at.items() if now - t < STATS_INTERVAL_S}
+        self._stats_at[identity] = now
         self._send(identity, self.stats(msg.nonce))
+
+    def _answer_stats_due(self, now: float) -> None:
+        due, self._stats_due = self._stats_due, {}
+        for identity, nonce in due.items():
+            self._stats_at[identity] = now
+            self._send(identity, self.stats(nonce))
 
     def stats(self, nonce: int = 0) -> P.Stats:
         s = self.scheduler

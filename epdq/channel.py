@@ -37,7 +37,12 @@ class PeerUnreachable(Exception):
     """A ROUTER send found no connected peer with that identity."""
 
 
-BATCH_PAYLOAD_BYTES = 4 * 2**20
+# A BATCH is cut once it holds this many bytes, every frame counted (types and headers too):
+# ZeroMQ bounds a peer's send queue in messages (the broker's PEER_SEND_HWM), so what a peer
+# that reads nothing can make the broker hold is that many messages of at most this size. With
+# only payloads counted, 4,096 header-only replies (STATS answers) went in one message and a
+# client that sent 3-byte requests without reading grew the broker by ~300 times that.
+BATCH_BYTES = 256 * 2**10
 
 
 def _batches(msgs: list[tuple[list[Any], bool]]) -> list[list[tuple[list[Any], bool]]]:
@@ -50,13 +55,12 @@ def _batches(msgs: list[tuple[list[Any], bool]]) -> list[list[tuple[list[Any], b
     chunk: list[tuple[list[Any], bool]] = []
     nbytes = 0
     for m in msgs:
-        if chunk and (len(chunk) == MAX_BATCH or nbytes >= BATCH_PAYLOAD_BYTES):
+        if chunk and (len(chunk) == MAX_BATCH or nbytes >= BATCH_BYTES):
             out.append(chunk)
             chunk, nbytes = [], 0
         chunk.append(m)
-        body = m[0]
-        if len(body) > 2:  # header-only messages are small (MAX_HEADER_BYTES at most)
-            nbytes += sum(memoryview(f).nbytes if not isinstance(f, bytes) else len(f) for f in body[2:])
+        for f in m[0]:
+            nbytes += len(f) if type(f) is bytes else memoryview(f).nbytes
     out.append(chunk)
     return out
 

@@ -90,3 +90,37 @@ async def test_index_entries_share_the_registrations_strings(tmp_path):
         broker.stop()
         await asyncio.wait_for(serving, 10)
         ctx.destroy(linger=0)
+
+
+async def test_stats_requests_sent_without_reading_get_few_replies(tmp_path):
+    """A STATS reply is hundreds of times its request: a client that sent requests and read
+    nothing made the broker hold one reply each. A connection's requests that come within the
+    interval are answered together by one reply carrying the latest nonce."""
+    from epdq.broker import STATS_INTERVAL_S
+
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/b.sock"
+    broker = Broker(BrokerConfig(address=addr, log_requests=False), ctx=ctx)
+    serving = asyncio.create_task(broker.serve())
+    client = None
+    try:
+        await _until(lambda: broker.channel is not None and broker.endpoint)
+        client = make_socket(ctx, zmq.DEALER, connect=addr)
+        for nonce in range(1, 2001):
+            client.send_multipart(P.encode(P.StatsRequest(nonce)))
+        replies: list[P.Stats] = []
+        async with asyncio.timeout(10):
+            while not replies or replies[-1].nonce != 2000:
+                replies += [m for m in await _recv(client) if isinstance(m, P.Stats)]
+        assert [r.nonce for r in replies] == sorted(r.nonce for r in replies)  # in order, latest last
+        # at most one answer now and one per tick while the 2,000 arrive (they take a few ms)
+        assert len(replies) <= 2 + 20, len(replies)
+        await asyncio.sleep(STATS_INTERVAL_S * 1.5)
+        client.send_multipart(P.encode(P.StatsRequest(2001)))  # a lone one later: answered at once
+        assert [m.nonce for m in await _recv(client)] == [2001]
+    finally:
+        broker.stop()
+        await asyncio.wait_for(serving, 10)
+        if client is not None:
+            client.close(linger=0)
+        ctx.term()

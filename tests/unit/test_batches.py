@@ -1,11 +1,21 @@
 """How a channel cuts what it coalesced into BATCH messages."""
 
 from epdq import protocol as P
-from epdq.channel import BATCH_PAYLOAD_BYTES, _batches
+from epdq.channel import BATCH_BYTES, _batches
 
 
 def msg(payload: int = 0) -> tuple[list, bool]:
     return P.encode(P.Cancel("r")) + ([bytes(payload)] if payload else []), True
+
+
+def test_header_only_messages_count_towards_a_batchs_bytes():
+    # a STATS answer has no payload frame: 4,096 of them went in one ~3 MB message, and the
+    # broker's send queue (bounded in messages) held 10,000 such for a client that read nothing
+    reply = P.encode(P.Error("r" * 100, "busy", "x" * 700, 0.0)), True
+    chunks = _batches([reply] * 4000)
+    assert len(chunks) > 1 and [m for c in chunks for m in c] == [reply] * 4000
+    size = sum(len(f) for f in reply[0])
+    assert all(sum(len(f) for m, _ in c for f in m) < BATCH_BYTES + size for c in chunks)
 
 
 def test_no_batch_holds_more_messages_than_the_receiver_accepts():
@@ -19,13 +29,13 @@ def test_no_batch_holds_more_messages_than_the_receiver_accepts():
 
 
 def test_large_payloads_go_in_several_batches_in_order():
-    mib = 2**20
-    msgs = [msg(mib) for _ in range(10)] + [msg() for _ in range(3)]
+    kib = 2**10
+    msgs = [msg(64 * kib) for _ in range(10)] + [msg() for _ in range(3)]
     chunks = _batches(msgs)
-    per = BATCH_PAYLOAD_BYTES // mib
+    per = BATCH_BYTES // (64 * kib)  # each a few bytes over 64 KiB: `per` of them reach the cut
     assert [len(c) for c in chunks] == [per, per, 10 - 2 * per + 3]
     assert [m for c in chunks for m in c] == msgs  # nothing lost or reordered
-    big = msg(64 * mib)
+    big = msg(64 * 2**20)
     assert _batches([big, msg()]) == [[big], [msg()]]  # one message over the limit goes alone
 
 
