@@ -266,7 +266,7 @@ class HFPDEngine:
 
         state = await asyncio.to_thread(self._prefill, request_id, prompt, embeds, grid)
         generator = None
-        if sampling.temperature > 0:
+        if sampling.temperature >= GREEDY_BELOW:
             generator = torch.Generator(device="cpu")
             if sampling.seed is not None:
                 generator.manual_seed(sampling.seed)
@@ -379,12 +379,19 @@ class HFPDEngine:
         return out.logits[0, -1].float()
 
 
+# As vLLM (its _SAMPLING_EPS): a temperature this small samples greedily. A valid 1e-40 made
+# logits / temperature overflow to inf, softmax NaN, and the request failed in the engine.
+GREEDY_BELOW = 1e-5
+
+
 def _sample(logits, s: SamplingSpec, generator) -> int:
     import torch
 
-    if s.temperature == 0 or generator is None:
+    if s.temperature < GREEDY_BELOW or generator is None:
         return int(torch.argmax(logits))
-    logits = logits.cpu()  # the generator lives on the CPU: seeded sampling is the same on any device
+    # the generator lives on the CPU: seeded sampling is the same on any device; float32, as
+    # float16 logits divided by a small temperature overflow to inf (then NaN probabilities)
+    logits = logits.cpu().float()
     probs = torch.softmax(logits / s.temperature, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
