@@ -129,6 +129,10 @@ class Scheduler:
         self._lingering: dict[bytes, IndexEntry] = {}
         self._linger_since: deque[float] = deque()
         self._linger_entries: deque[IndexEntry] = deque()
+        # entries of draining encoders taken out of the index when a new request asked for their
+        # image (encoded again elsewhere, so that the drain can end): key -> the entry and the
+        # requests running on it; its pin is released when the last of them ends
+        self._retiring: dict[bytes, tuple[IndexEntry, dict[str, None]]] = {}
 
     # ------------------------------------------------------------ plumbing
 
@@ -187,6 +191,8 @@ class Scheduler:
                     self._retry_encode(job, WorkerLostError(f"encoder {worker_id} {reason}"))
             for key in self.index.keys_of(worker_id):
                 self._drop_entry(key)
+            for key in [k for k, (e, _) in self._retiring.items() if e.ref.encoder_id == worker_id]:
+                del self._retiring[key]  # its pins went with it
         else:
             for rid in list(reversed(w.inflight)):  # newest first, as above
                 req = self.requests.get(rid)
@@ -290,6 +296,12 @@ class Scheduler:
         users = self.users.setdefault(key, {})
         users[req.rid] = None
         entry = self.index.get(key)
+        if entry is not None and (w := self.workers.get(entry.ref.encoder_id)) is not None and w.draining:
+            # its encoder is leaving: a new request must not come to depend on its ring (the
+            # drain would last as long as the image stays popular); encoded again elsewhere
+            self._retire(key, entry)
+            self.counters["cache_misses"] += 1
+            return
         if entry is not None:
             req.cache_hits += 1
             self.counters["cache_hits"] += 1
@@ -306,6 +318,24 @@ class Scheduler:
         self.counters["cache_misses"] += 1
         self._new_job(key, req.images[req.keys.index(key)])
 
+    def _retire(self, key: bytes, entry: IndexEntry) -> None:
+        """Take a draining encoder's entry out of the index: requests running on it keep its pin
+        until they end; the others (and the new one) wait for an encode elsewhere."""
+        running = {rid: None for rid in self.users.get(key, ()) if self.requests[rid].state is ReqState.RUNNING}
+        if entry.pinned and running:
+            self._retiring[key] = (entry, running)
+        elif entry.pinned:
+            self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
+        self._drop_entry(key)
+
+    def _leave_retiring(self, req: Request) -> None:
+        """`req` no longer runs on the retiring entries of its images: the last one out unpins."""
+        for key in req.keys:
+            r = self._retiring.get(key)
+            if r is not None and r[1].pop(req.rid, 0) is None and not r[1]:
+                del self._retiring[key]
+                self._emit(SendUnpin(r[0].ref.encoder_id, [r[0].entry_id()]))
+
     def _new_job(self, key: bytes, image: Any) -> None:
         job = EncodeJob(self._next_job, key, image)
         self._next_job += 1
@@ -319,6 +349,8 @@ class Scheduler:
         is no longer resident (dropped with a dead encoder or evicted while it ran)."""
         req.worker = None
         self._queue_in(req)
+        if self._retiring:
+            self._leave_retiring(req)
         if req.route == "epd":
             for key in dict.fromkeys(req.keys):
                 if key not in self.index and key not in req.pending:
@@ -345,6 +377,8 @@ class Scheduler:
         q.appendleft(req.rid) if front else q.append(req.rid)
 
     def _unreference(self, req: Request) -> None:
+        if self._retiring:
+            self._leave_retiring(req)
         for key in dict.fromkeys(req.keys) if req.route == "epd" else ():
             users = self.users.get(key)
             if users is None:
@@ -375,6 +409,9 @@ class Scheduler:
             self._linger_entries.append(entry)
         elif self.index.unpin(entry):
             self._emit(SendUnpin(entry.ref.encoder_id, [entry.entry_id()]))
+            if w is not None and w.draining:
+                # not cached any more: a later hit would pin it again on a ring that is leaving
+                self.index.drop(entry.ref.key)
 
     def _unpin_lingering(self, now: float) -> None:
         """Unpin the entries that have lingered `unpin_delay_s`, one SendUnpin per encoder."""

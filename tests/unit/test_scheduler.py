@@ -454,6 +454,42 @@ def test_a_job_sent_again_to_the_encoder_that_still_holds_it_takes_a_slot_of_its
     assert of(s.take_actions(), SendUnpin) == [SendUnpin("enc-0", [EntryId(K(1), 5)])]  # once, at its end
 
 
+def test_a_draining_encoders_entries_serve_no_new_request(clock):
+    """README: a draining encoder is sent nothing new, so that no new request comes to need its
+    ring. A hot image resident there used to be served from it (pinned again and again by
+    overlapping requests, its drain lasted until --drain-timeout); now a new request waits for
+    an encode elsewhere, and the old entry's pin goes when the request running on it ends."""
+    s = make(clock, enc=2, pd_cap=8)
+    (e,) = of(submit(s, "r1", [K(1)]), SendEncode)
+    finish_encode(s, e, gen=7)
+    old = e.worker_id
+    assert s.drain_worker(old)
+    s.take_actions()
+    acts = submit(s, "r2", [K(1)])
+    (again,) = of(acts, SendEncode)
+    assert again.worker_id != old and not of(acts, SendPin) and not of(acts, SendPrefill)
+    assert s.counters["cache_misses"] == 2 and K(1) not in s.index
+    acts = finish_encode(s, again, gen=9)
+    (p,) = of(acts, SendPrefill)
+    assert p.request.rid == "r2" and p.refs[0].encoder_id == again.worker_id
+    assert not [u for u in of(acts, SendUnpin) if u.worker_id == old]  # r1 still runs on it
+    s.on_tokens("pd-0", "r1", finished=True)
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin(old, [EntryId(K(1), 7)])]  # the drain can end
+
+
+def test_an_entry_released_on_a_draining_encoder_leaves_the_index(clock):
+    # its last request ends during the drain: unpinned, and no later hit pins it there again
+    s = make(clock, enc=2)
+    (e,) = of(submit(s, "r1", [K(1)]), SendEncode)
+    finish_encode(s, e, gen=3)
+    s.drain_worker(e.worker_id)
+    s.on_tokens("pd-0", "r1", finished=True)
+    assert of(s.take_actions(), SendUnpin) == [SendUnpin(e.worker_id, [EntryId(K(1), 3)])]
+    assert K(1) not in s.index
+    acts = submit(s, "r2", [K(1)])
+    assert not of(acts, SendPin) and [a.worker_id for a in of(acts, SendEncode)] != [e.worker_id]
+
+
 def test_lease_expiry_respects_attempt_cap(clock):
     s = make(clock, enc=1, enc_cap=2, encode_lease_s=1.0, max_encode_attempts=2)
     submit(s, "r1", [K(1)])
