@@ -54,6 +54,9 @@ MAX_PONG_UNKNOWN = 256
 # of times the size of its request: answered one for one, a client that sent requests without
 # reading made the broker hold ~10,000 replies per message allowed in its send queue.
 STATS_INTERVAL_S = 0.05
+# The slowest link a client's upload is allowed for (the client's own allowance is the same; see
+# client.py): a large request holds the client's pings back for as long as it takes to arrive.
+SLOWEST_LINK_BPS = 20e6
 
 
 @dataclass(slots=True)
@@ -290,12 +293,21 @@ class Broker:
         for client in self._client_seen:
             self._client_seen[client] = max(self._client_seen[client], now)
 
+    def client_silence_s(self) -> float:
+        """How long a client with live requests may go unheard before it counts as gone: its
+        pings queue behind a request it is still uploading (ZeroMQ hands a message over whole), so
+        the largest request this broker accepts, at the slowest link a client allows for (a CURVE
+        link at 20 MB/s), comes on top of `client_liveness_s`."""
+        largest = self.cfg.max_images_per_request * self.cfg.max_image_bytes
+        return self.cfg.client_liveness_s + largest / SLOWEST_LINK_BPS
+
     def _expire_clients(self, now: float) -> None:
-        gone = now - self.cfg.client_liveness_s
+        silence = self.client_silence_s()
+        gone = now - silence
         for client in [c for c in self._clients if self._client_seen.get(c, now) < gone]:
             rids = self._clients.pop(client)
             self._client_seen.pop(client, None)
-            log.warning("client silent for %.0fs: cancelling its %d requests", self.cfg.client_liveness_s, len(rids))
+            log.warning("client silent for %.0fs: cancelling its %d requests", silence, len(rids))
             for rid in rids:
                 self.scheduler.cancel(rid, client)
 

@@ -44,3 +44,23 @@ def test_a_lost_clients_requests_are_cancelled_in_the_order_they_came():
     broker._peer_unreachable(client)
     assert cancelled == rids
     assert not broker.scheduler.requests and client not in broker._clients
+
+
+def test_a_client_uploading_a_large_request_is_not_taken_for_gone():
+    """ZeroMQ hands a message over whole: while a client uploads 8 images of 20 MiB (8.4 s at
+    20 MB/s, longer over a slow CURVE link) its pings wait behind them and the broker hears
+    nothing. Its other requests were cancelled after client_liveness_s (10 s) of silence; the
+    largest request the broker accepts, at 20 MB/s, now comes on top."""
+    from epdq.broker import SLOWEST_LINK_BPS
+
+    broker = Broker(BrokerConfig(address="ipc:///x/b.sock", client_liveness_s=2.0))
+    allowance = 8 * 20 * 2**20 / SLOWEST_LINK_BPS
+    assert broker.client_silence_s() == 2.0 + allowance
+    client = b"client-1"
+    sub = P.Submit("r1", [P.ChatMessage("user", [P.Part("text", "hi")])], P.Sampling(), 600.0, 0)
+    broker._on_submit(client, None, sub, [])
+    seen = broker._client_seen[client]
+    broker._expire_clients(seen + 2.0 + allowance - 0.5)  # past client_liveness_s, still uploading
+    assert "r1" in broker.scheduler.requests
+    broker._expire_clients(seen + 2.0 + allowance + 0.5)
+    assert "r1" not in broker.scheduler.requests and client not in broker._clients
