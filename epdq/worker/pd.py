@@ -405,6 +405,10 @@ class PDWorker:
                 )
             if len(r.grid) != 3 or self.engine.expected_embed_rows([r.grid]) != r.shape[0]:
                 raise InvalidInputError(f"embedding rows {r.shape[0]} do not match grid {r.grid}")
+            if r.nbytes != r.shape[0] * r.shape[1] * dtype.itemsize:
+                # the ring reader refuses such an entry, but a fetch copies only nbytes into the
+                # result: the rows past them reached the engine uninitialised (torch.empty)
+                raise ProtocolError(f"shape {tuple(r.shape)} of {dtype} does not hold {r.nbytes} bytes")
         # through numpy: torch.tensor of a nested list took ~20 us per request with the caches cold,
         # as they are in a worker woken for one request (8 % of a PD worker's time on cache hits)
         grid = torch.from_numpy(np.array([r.grid for r in refs], dtype=np.int64))
