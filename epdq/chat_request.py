@@ -32,6 +32,9 @@ from epdq.protocol import MAX_MESSAGES, MAX_TOKENS_LIMIT
 # first one too many instead of producing (and reporting) a million validation errors.
 MAX_CONTENT_PARTS = 128  # per message
 _ECHO = 100  # characters of a client's value echoed in an error
+# characters of pydantic's message in a 400: some quote the client's value whole (a content part's
+# unknown `type`: 20 MiB of tag made a 20 MiB answer)
+_MESSAGE_CHARS = 300
 
 if TYPE_CHECKING:
     from epdq.gateway import GatewayConfig
@@ -143,7 +146,10 @@ def parse_request(raw: bytes) -> ChatCompletionRequest:
         # a list over its bound says more than the union's other branch ("should be a string")
         first = max(errors, key=lambda err: (err.get("type") == "too_long", len(err.get("loc", ()))))
         where = ".".join(str(x) for x in first.get("loc", ()) if not _union_branch(x))
-        raise bad_request(f"invalid request: {where}: {first.get('msg', 'invalid')}") from None
+        msg = str(first.get("msg", "invalid"))
+        if len(msg) > _MESSAGE_CHARS:
+            msg = msg[:_MESSAGE_CHARS] + "..."
+        raise bad_request(f"invalid request: {where}: {msg}") from None
     bad = unsupported(req)
     if bad is not None:
         raise bad_request(f"{bad} is not supported by this server", "unsupported_parameter")

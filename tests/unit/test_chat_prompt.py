@@ -64,3 +64,19 @@ def test_max_tokens_when_the_request_names_none():
     assert max_tokens({"max_tokens": 7, "max_completion_tokens": 9}) == 9
     with pytest.raises(ValueError, match="default_max_tokens"):
         GatewayConfig("ipc:///x", default_max_tokens=MAX_TOKENS_LIMIT + 1)
+
+
+def test_an_unknown_content_part_type_is_not_echoed_whole():
+    # pydantic's message quotes the tag: a 20 MiB `type` made a 20 MiB 400
+    pytest.importorskip("fastapi")
+    import json
+
+    from epdq.chat_request import HTTPError, parse_request
+
+    tag = "A" * (1 << 20)
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": tag}]}]}
+    with pytest.raises(HTTPError) as ei:
+        parse_request(json.dumps(body).encode())
+    message = ei.value.message
+    assert ei.value.status == 400 and len(message) < 400, len(message)
+    assert "messages.0.content.0" in message and "AAAA" in message  # still says where, and what
