@@ -63,7 +63,9 @@ class GatewayConfig:
     stream_prime_s: float = 2.0  # how long a stream waits for a first answer to give a real status
     remote_timeout_s: float = 10.0
     body_timeout_s: float = 60.0  # to receive a request's whole body (408 after)
-    stream_stall_s: float = 60.0  # a stream whose client reads nothing this long is cancelled (499)
+    # a stream none of whose writes the connection can take for this long (the client reads nothing
+    # and the socket buffers are full) is cancelled upstream (499) and its connection aborted
+    stream_stall_s: float = 60.0
     keys_dir: str = ""
     insecure: bool = False
     # how HTTP users are spread over broker connections, each a client with its own share of a full
@@ -184,8 +186,6 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except TimeoutError:
         raise HTTPError(408, f"request body not received within {timeout_s:g} s", "invalid_request_error",
                         "request_timeout") from None  # fmt: skip
-    except ClientDisconnect:
-        raise asyncio.CancelledError from None  # gone mid-body: counted as 499, as any client that left
     return bytes(buf)
 
 
@@ -239,7 +239,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await conns.close()
 
-    app = FastAPI(title="epdq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = _App(title="epdq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
     metrics = app.state.metrics = GatewayMetrics()
 
@@ -291,7 +291,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         metrics.in_flight += 1
         try:
             response = await _chat(request, rec)
-            rec.code = getattr(response, "status_code", 200)
+            if not isinstance(response, _EventStream):  # a live stream's status is its pump's to set
+                rec.code = getattr(response, "status_code", 200)
             return response
         except HTTPError as e:
             rec.code, rec.error = e.status, e.detail
@@ -307,7 +308,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 _finish_record(rec, metrics)
 
     async def _chat(request: Request, rec: _Record):
-        raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
+        try:
+            raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
+        except ClientDisconnect:
+            # gone mid-body: a 499 as any client that left (raised, it reached uvicorn, which logged
+            # every such client with a traceback at ERROR)
+            return JSONResponse({}, status_code=499)
         # a large body (data: URLs) takes ~0.6 ms per MiB to parse: not on the loop every stream shares
         req = parse_request(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse_request, raw)
         rec.stream = bool(req.stream)  # so a refused stream request is counted as one
@@ -365,7 +371,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         rec.prompt_tokens = d.prompt_tokens
                     await hand(d)
                 await hand(_END)
-            except TimeoutError:  # the client read nothing for STREAM_STALL_S: upstream is cancelled
+            except TimeoutError:  # nobody took a delta for stream_stall_s (_EventStream's limit mostly ends it first)
                 rec.code, rec.error = 499, "client stopped reading"
                 while not q.empty():
                     q.get_nowait()
@@ -383,6 +389,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     q.get_nowait()
                 q.put_nowait(e)
 
+        # before the pump runs: an upstream that fails at once (even with a first delta) ends it
+        # during the wait below, and the status it sets is the one the stream is counted under
+        rec.code = 200
         task = asyncio.create_task(pump())
         # wait a little for the first answer, so that refusals (busy, bad input) get a real status
         try:
@@ -436,13 +445,85 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     pending.cancel()
                 task.cancel()
 
+        def stalled() -> None:
+            if rec.code == 200:  # upstream still running: the client is why it ends (one that ended is counted already)
+                rec.code, rec.error = 499, "client stopped reading"
+            task.cancel()
+
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         # the stream is counted and logged when its upstream ends (the pump always ends: done,
-        # failed, or cancelled when the consumer goes away)
+        # failed, or cancelled when the consumer goes away or stops reading)
         task.add_done_callback(lambda _t: _finish_record(rec, metrics))
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return _EventStream(events(), stall_s=config.stream_stall_s, on_stall=stalled, headers=headers)
 
     return app
+
+
+class _Stalled(Exception):
+    """A write to a stream's client was not taken within the stall limit (not an OSError, as the
+    TimeoutError it comes from is: Starlette takes an OSError for the client's disconnect)."""
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose every write must be taken by the connection within `stall_s`.
+
+    uvicorn's send waits, with no limit, while the connection's write buffer is over its high-water
+    mark, which a client that reads nothing keeps it: the connection, its task and one of the
+    MAX_CONCURRENCY slots were held until that client closed its socket, and enough such clients
+    got everyone a 503. On expiry `on_stall` runs (it cancels upstream) and the connection is
+    aborted: a graceful close waits to flush to the very client that reads nothing."""
+
+    def __init__(self, content: AsyncIterator[str], *, stall_s: float, on_stall: Any, headers: dict) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.stall_s, self.on_stall = stall_s, on_stall
+
+    async def stream_response(self, send: Any) -> None:
+        async def bounded(message: dict) -> None:
+            try:
+                async with asyncio.timeout(self.stall_s):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+
+        await bounded({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await bounded({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
+        await bounded({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except _Stalled:
+            self.on_stall()
+            transport = scope.get(_TRANSPORT)
+            if transport is None:  # not uvicorn's cycle (see _App): the server closes it, gracefully, when we return
+                return
+            transport.abort()
+            # uvicorn hears of it on the loop's next turn; an app that returned before would be
+            # logged as one that "returned without completing response"
+            with suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+        finally:
+            # at once, not when the generator is collected: its `finally` cancels upstream
+            await self.body_iterator.aclose()
+
+
+_TRANSPORT = "epdq.transport"  # scope key: the connection's asyncio transport, where known
+
+
+class _App(FastAPI):
+    """FastAPI with each request's connection at hand (scope[_TRANSPORT]): ASGI gives an app no way
+    to drop a connection, which a stalled stream must (_EventStream). uvicorn's `send` is a bound
+    method of its request cycle, which holds the transport; under anything else (its trace-level
+    message logger, another server) the key is absent and a stalled stream is only closed."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):  # uvloop's are no BaseTransport
+            scope[_TRANSPORT] = transport
+        await super().__call__(scope, receive, send)
 
 
 def _model_card(config: GatewayConfig) -> dict:

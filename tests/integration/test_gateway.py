@@ -7,6 +7,7 @@ import base64
 import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import time
@@ -552,8 +553,9 @@ async def test_health_is_503_while_the_broker_drains(tmp_path):
             await asyncio.gather(holding, return_exceptions=True)
 
 
-async def test_hostile_bodies_are_refused_cheaply_and_typed(tmp_path):
+async def test_hostile_bodies_are_refused_cheaply_and_typed(tmp_path, caplog):
     """Found by attacking the gateway: each used to cost memory, a 500, or reads it never needed."""
+    caplog.set_level(logging.ERROR)
     allow = tmp_path / "imgs"
     allow.mkdir()
     (allow / "cat.png").write_bytes(demo_image(7, (64, 64)))
@@ -605,35 +607,96 @@ async def test_hostile_bodies_are_refused_cheaply_and_typed(tmp_path):
                     await asyncio.sleep(0.05)
                 assert m.get('epdq_gateway_requests_total{code="499",mode="unary"}') == 1, m
                 assert not m.get('epdq_gateway_requests_total{code="500",mode="unary"}')
+    # nor a traceback at ERROR (uvicorn's "Exception in ASGI application"): any client could fill the log
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_a_stream_nobody_reads_is_cancelled_not_buffered(tmp_path):
+async def test_a_stream_nobody_reads_is_cancelled_not_buffered(tmp_path, caplog):
     """The gateway queued every delta for a client that read nothing (8 MB per long stream, held
-    until the socket closed) and counted the request as a 200 when upstream finished."""
+    until the socket closed) and counted the request as a 200 when upstream finished. Then it
+    cancelled upstream but still waited, with no limit, to write to that client: the connection,
+    its task and one of the 2,048 slots (beyond them: 503 to everyone) stayed until it closed."""
+    caplog.set_level(logging.ERROR)
     spec = noop_spec(tmp_path, worker_defaults={"engine": "noop", "noop_token_s": 0.002})  # 65 s for all
+    servers: list = []
     # small socket buffers on both ends: the kernel must not absorb what the client does not read
-    async with Cluster(spec) as cluster, gateway(cluster.address, stream_stall_s=1.0, sndbuf=4096) as base:
+    async with (
+        Cluster(spec) as cluster,
+        gateway(cluster.address, stream_stall_s=1.0, sndbuf=4096, servers=servers) as base,
+    ):
         port = int(base.rsplit(":", 1)[1])
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 32768,
                            "stream": True}).encode()  # fmt: skip
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1024)
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-        await writer.drain()
-        reader._transport.pause_reading()  # read nothing more
-        async with aiohttp.ClientSession() as http:
-            m: dict = {}
-            for _ in range(200):
-                m = await gateway_metrics(http, base)
-                if m.get('epdq_gateway_requests_total{code="499",mode="stream"}'):
+        try:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            await writer.drain()
+            reader._transport.pause_reading()  # read nothing more
+            async with aiohttp.ClientSession() as http:
+                m: dict = {}
+                for _ in range(200):
+                    m = await gateway_metrics(http, base)
+                    if m.get('epdq_gateway_requests_total{code="499",mode="stream"}'):
+                        break
+                    await asyncio.sleep(0.05)
+            assert m.get('epdq_gateway_requests_total{code="499",mode="stream"}') == 1, m
+            s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0, timeout=10)
+            assert s["counters"]["cancelled"] == 1  # upstream was cancelled, not run to 32,768 tokens
+            # the gateway let go of the connection while the client still holds it, reading nothing
+            state = servers[0].server_state
+            for _ in range(100):
+                if not state.connections and not state.tasks:
                     break
                 await asyncio.sleep(0.05)
-        writer.close()
-        assert m.get('epdq_gateway_requests_total{code="499",mode="stream"}') == 1, m
-        s = await wait_stats(cluster.address, lambda s: s["gauges"]["requests_running"] == 0, timeout=10)
-        assert s["counters"]["cancelled"] == 1  # upstream was cancelled, not run to 32,768 tokens
+            assert (len(state.connections), len(state.tasks)) == (0, 0)
+            # aborted, not closed gracefully (that waits to flush to this very client): what the kernel
+            # held comes, then the end, without the stream's last chunk
+            reader._transport.resume_reading()
+            got = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                    got += chunk
+            assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")
+        finally:
+            writer.close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_stream_that_fails_with_its_first_delta_is_counted_as_its_error(monkeypatch):
+    """A first delta and an error at once: the pump ended during the wait for a first answer, and
+    the 200 of the status line overwrote the 502 it had recorded."""
+    import epdq.client
+    from epdq import WorkerLostError
+    from epdq.client import Delta
+
+    class FailingAfterOne:
+        def __init__(self, *_a, **_kw):
+            pass
+
+        async def connect(self):
+            pass
+
+        async def close(self):
+            pass
+
+        async def stream(self, **_kw):
+            yield Delta("a", [1], None, "up-1")
+            raise WorkerLostError("the PD worker died after the first token")
+
+    monkeypatch.setattr(epdq.client, "AsyncClient", FailingAfterOne)
+    async with gateway("ipc:///nowhere") as base, aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200  # the first delta came: the status line is a 200
+            events = [e for e in (await resp.text()).split("\n\n") if e]
+        assert json.loads(events[1].removeprefix("data: "))["choices"][0]["delta"]["content"] == "a"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "worker_lost"
+        m = await gateway_metrics(http, base)
+    assert m['epdq_gateway_requests_total{code="502",mode="stream"}'] == 1, m
+    assert 'epdq_gateway_requests_total{code="200",mode="stream"}' not in m
 
 
 async def test_a_large_image_goes_through_the_threads_and_matches_the_client(tmp_path):
