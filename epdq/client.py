@@ -21,7 +21,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.channel import Channel
-from epdq.client_input import build_messages, input_loads_slowly, is_number, make_sampling
+from epdq.client_input import build_messages, input_loads_slowly, is_number, make_sampling, shown
 from epdq.errors import (
     BrokerUnavailableError,
     ConfigError,
@@ -98,13 +98,17 @@ class AsyncClient:
         """tcp links use CURVE with the client keys in `keys_dir` (default: `$EPDQ_HOME/keys`,
         made by `epdq up` or `epdq keygen`), or `security`; `insecure=True` allows plaintext on
         loopback only. ipc:// needs neither."""
+        # shown(): an int of over 4,300 digits cannot even be repr'd (ValueError), nor one past
+        # ~1e308 be compared as seconds (OverflowError): each gets this ValueError, bounded
         if timeout is not None and not (is_number(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
-            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {timeout!r:.40}")
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {shown(timeout)}")
         if not (is_number(heartbeat_s) and heartbeat_s > 0):
-            raise ValueError(f"heartbeat_s must be a number of seconds > 0, not {heartbeat_s!r:.40}")
-        if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness < 1:
-            raise ValueError(f"liveness must be an integer >= 1 (missed heartbeats), not {liveness!r:.40}")
-        problem = endpoint_problem(address) if isinstance(address, str) else f"address must be a string, not {address!r:.40}"
+            raise ValueError(f"heartbeat_s must be a number of seconds > 0, not {shown(heartbeat_s)}")
+        # is_number: heartbeat_s * liveness, the silence allowed, must be a float
+        if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness < 1 or not is_number(liveness):
+            raise ValueError(f"liveness must be an integer >= 1 (missed heartbeats), not {shown(liveness)}")
+        problem = (endpoint_problem(address, connect=True) if isinstance(address, str)
+                   else f"address must be a string, not {shown(address)}")  # fmt: skip
         if problem:  # said now, not at the first request
             raise ConfigError(problem)
         self.address = address
@@ -122,6 +126,10 @@ class AsyncClient:
         self._incompatible: ProtocolError | None = None  # the last PONG came from another protocol version
         self._handshakes: HandshakeWatch | None = None
         self._pinger: asyncio.Task | None = None
+        # connect() was called and close() not since: a connection that could not be reopened is
+        # opened again (by the watcher, or by the next request) instead of staying gone
+        self._wanted = False
+        self._reopen_failing = False
         self.reconnects = 0
         self._rid_prefix = uuid.uuid4().hex[:16] + "-"  # unique per client; a counter after it
         self._rids = itertools.count(1)
@@ -155,8 +163,15 @@ class AsyncClient:
                 self._follow_running_loop()
             return
         self._open()
+        self._wanted = True
         self._ping()  # learn the broker's instance id now, so a restart is recognised later
-        self._pinger = asyncio.create_task(self._watch_broker())
+        self._ensure_pinger()
+
+    def _ensure_pinger(self) -> None:
+        """A watcher on this loop; the one that outlived a failed reopen is kept, not doubled."""
+        p = self._pinger
+        if p is None or p.done() or p.get_loop() is not asyncio.get_running_loop():
+            self._pinger = asyncio.create_task(self._watch_broker())
 
     def _ping(self) -> None:
         if self._channel is not None:
@@ -168,15 +183,19 @@ class AsyncClient:
                 pass
 
     def _open(self) -> None:
+        watches: list[HandshakeWatch | None] = []
+
         def watch(s: zmq.Socket) -> None:
-            self._handshakes = watch_client(s, "client", self._on_refused)
+            watches.append(watch_client(s, "client", self._on_refused))
 
         # keys and plaintext rules were checked at construction (ConfigError)
         # A random identity per socket. Without one the broker's ROUTER numbers us from a counter,
         # and whoever connected under our number took our link over (ROUTER_HANDOVER) and read our
         # tokens; that counter, and other clients' numbers, were predictable.
+        # A failed make_socket has closed the watch with its socket: only a socket's is kept.
         sock = make_socket(self._ctx, zmq.DEALER, identity=f"c-{secrets.token_hex(16)}".encode(), connect=self.address,
                            security=self._security, before_connect=watch)  # fmt: skip
+        self._handshakes = watches[0] if watches else None
         # token messages are small: receive bytes; batch what we send per loop turn
         self._channel = Channel(sock, self._on_frames, copy=True, coalesce=True)
         self._channel.start()
@@ -191,9 +210,26 @@ class AsyncClient:
             self._handshakes = None
 
     def _reopen(self) -> None:
+        """A fresh socket. When it cannot be made (EMFILE, a key file being replaced...), the
+        client is left without one: the watcher tries again at its next beat, a request at once."""
         self._close_channel()
-        self.reconnects += 1
         self._open()
+        self.reconnects += 1
+
+    def _try_reopen(self) -> bool:
+        try:
+            self._reopen()
+        except Exception as e:  # whatever it was, the next beat tries again: the client must not die of it
+            # once per streak at warning level: it is tried again every heartbeat
+            level = logging.DEBUG if self._reopen_failing else logging.WARNING
+            self._reopen_failing = True
+            log.log(level, "cannot reconnect to the broker %s (trying again every %gs): %s", self.address,
+                    self.heartbeat_s, getattr(e, "message", None) or e)  # fmt: skip
+            return False
+        if self._reopen_failing:
+            self._reopen_failing = False
+            log.info("reconnected to the broker %s", self.address)
+        return True
 
     def _follow_running_loop(self) -> None:
         """A client connected under one `asyncio.run` and used under the next: its socket and
@@ -207,10 +243,10 @@ class AsyncClient:
             )
         self._streams.clear()  # their futures and queues died with their loop
         self._stats_waiters.clear()
-        self._pinger = None
+        # the watcher first: should the reopen fail, it tries again
+        self._pinger = asyncio.create_task(self._watch_broker())
         self._reopen()
         self._ping()
-        self._pinger = asyncio.create_task(self._watch_broker())
 
     def _on_refused(self, problem: str) -> None:
         """The broker refused our key; ZeroMQ will not retry. Everything in flight fails now."""
@@ -225,7 +261,12 @@ class AsyncClient:
             await asyncio.sleep(self.heartbeat_s)
             ch = self._channel
             if ch is None:
-                return
+                if not self._wanted:
+                    return
+                # the last reopen failed: requests meanwhile failed (or reopened it themselves)
+                if self._try_reopen():
+                    self._ping()
+                continue
             if not self._streams:
                 self._last_heard = time.monotonic()
                 continue
@@ -234,7 +275,7 @@ class AsyncClient:
                 self._fail_all(BrokerUnavailableError(
                     f"broker {self.address} silent for {silent:.1f}s{self._handshake_problem()}"
                 ))  # fmt: skip
-                self._reopen()  # a fresh socket (new identity) for later requests
+                self._try_reopen()  # a fresh socket (new identity) for later requests
                 continue
             self._ping()
 
@@ -252,22 +293,24 @@ class AsyncClient:
             if old is not None and not old.is_closed():
                 raise RuntimeError("close this AsyncClient in the event loop it is connected in")
             # its loop is gone, and so is everything that was in flight there: only the socket is left
+            self._wanted = False
             self._streams.clear()
             self._stats_waiters.clear()
             self._pinger = None
             self._close_channel()
             return
+        self._wanted = False
         if self._pinger is not None:
             self._pinger.cancel()
             self._pinger = None
-        if ch is None:
-            return
-        for rid in list(self._streams):
-            try:
-                ch.send(P.encode(P.Cancel(rid)))
-            except zmq.ZMQError:
-                pass
+        if ch is not None:
+            for rid in list(self._streams):
+                try:
+                    ch.send(P.encode(P.Cancel(rid)))
+                except zmq.ZMQError:
+                    pass
         self._fail_all(BrokerUnavailableError("client closed"))
+        # also without a channel: a handshake watch may remain, whose socket keeps ctx.term() waiting
         self._close_channel()
 
     def _on_frames(self, frames: list[Any]) -> None:
@@ -310,9 +353,13 @@ class AsyncClient:
             if q is not None:
                 q.put_nowait(msg)
         elif isinstance(msg, P.Stats):
-            fut = self._stats_waiters.pop(msg.nonce, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            # The broker answers a connection's STATS at most every ~50 ms: one reply for several
+            # requests, with the nonce of the latest. Those sent before it (lower nonces: one
+            # counter, increasing) were received before its snapshot was taken, so it answers them too.
+            for nonce in [n for n in self._stats_waiters if n <= msg.nonce]:
+                fut = self._stats_waiters.pop(nonce)
+                if not fut.done():
+                    fut.set_result(msg)
 
     # ------------------------------------------------------------ API
 
@@ -442,7 +489,7 @@ class AsyncClient:
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The broker's counters, gauges and workers."""
         if not (is_number(timeout) and timeout > 0):
-            raise InvalidInputError(f"timeout must be a number of seconds > 0, not {timeout!r}")
+            raise InvalidInputError(f"timeout must be a number of seconds > 0, not {shown(timeout)}")
         ch = self._require_channel()
         nonce = next(self._nonce)
         fut = asyncio.get_running_loop().create_future()
@@ -463,16 +510,27 @@ class AsyncClient:
     # ------------------------------------------------------------ internals
 
     def _require_channel(self) -> Channel:
-        if self._channel is None:
+        if self._channel is None and not self._wanted:
             raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
         if self._incompatible is not None:
             raise ProtocolError(self._incompatible.message)
-        if self._channel.loop is not asyncio.get_running_loop():
-            self._follow_running_loop()
-        if self._handshakes is not None and self._handshakes.refused:
-            # ZeroMQ gave up on this connection: try afresh (the allow-list may have been fixed);
-            # if the key is still refused, the request fails at once with the reason
-            self._reopen()
+        try:
+            if self._channel is None:
+                # a reopen failed and the watcher has not retried yet: try now, for this request
+                self._reopen()
+                self._ping()
+                self._ensure_pinger()  # (the watcher is another loop's when asyncio.run came between)
+            elif self._channel.loop is not asyncio.get_running_loop():
+                self._follow_running_loop()
+            elif self._handshakes is not None and self._handshakes.refused:
+                # ZeroMQ gave up on this connection: try afresh (the allow-list may have been fixed);
+                # if the key is still refused, the request fails at once with the reason
+                self._reopen()
+        except (EpdqError, zmq.ZMQError, OSError) as e:  # not the RuntimeError of two live loops
+            raise BrokerUnavailableError(f"cannot reconnect to the broker {self.address}: "
+                                         f"{getattr(e, 'message', None) or e}") from None  # fmt: skip
+        if self._channel is None:  # (every reopen above either made one or raised)
+            raise BrokerUnavailableError("client is not connected: use `async with AsyncClient(...)`")
         return self._channel
 
     async def _prepare_async(
@@ -499,7 +557,7 @@ class AsyncClient:
         if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
             raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s (the broker's limit)")
         if route not in ROUTES:  # also a non-string, which the broker would drop as malformed
-            raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {route!r:.40}")
+            raise InvalidInputError(f"route must be one of {', '.join(ROUTES)}, not {shown(route)}")
         return make_sampling(max_tokens, temperature, top_p, seed, stop, ignore_eos), timeout
 
     def _prepare(

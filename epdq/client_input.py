@@ -72,19 +72,40 @@ def input_loads_slowly(images: Any, messages: Any) -> bool:
 
 
 def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float that converts to a float (an int past ~1.8e308 does not: math.isfinite
+    raised OverflowError on it, an untyped error for what is only a bad argument)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if isinstance(v, int):
+        return v.bit_length() <= 1023  # from about 2**1024 on, float(v) overflows
+    return math.isfinite(v)
+
+
+_SHOWN = 40
+
+
+def shown(v: Any) -> str:
+    """`v` for an error message, at most about 40 characters. repr() of an int of over 4,300
+    digits raises ValueError (Python's int-to-str limit), and of a huge one takes long."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    try:
+        text = repr(v)
+    except Exception:  # a caller's object whose __repr__ fails
+        return f"a {type(v).__name__[:_SHOWN]}"
+    return text[:_SHOWN]
 
 
 def make_sampling(max_tokens: Any, temperature: Any, top_p: Any, seed: Any, stop: Any, ignore_eos: Any) -> P.Sampling:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise InvalidInputError(f"max_tokens must be an integer, not {max_tokens!r:.40}")
+        raise InvalidInputError(f"max_tokens must be an integer, not {shown(max_tokens)}")
     if not 1 <= max_tokens <= P.MAX_TOKENS_LIMIT:  # (beyond 2**64 it could not even be encoded)
-        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], not {max_tokens!r:.40}")
+        raise InvalidInputError(f"max_tokens must be in [1, {P.MAX_TOKENS_LIMIT}], not {shown(max_tokens)}")
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if not is_number(v):
-            raise InvalidInputError(f"{name} must be a finite number, not {v!r:.40}")
+            raise InvalidInputError(f"{name} must be a finite number, not {shown(v)}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not P.SEED_MIN <= seed <= P.SEED_MAX):
-        raise InvalidInputError(f"seed must be a 64-bit signed integer or None, not {seed!r:.40}")
+        raise InvalidInputError(f"seed must be a 64-bit signed integer or None, not {shown(seed)}")
     if isinstance(stop, str):
         stop = [stop]
     elif stop is None:
@@ -138,7 +159,7 @@ def _convert_messages(messages: list[dict]) -> tuple[list[P.ChatMessage], list[b
                 blobs.append(_data_url_bytes(url))
                 parts.append(P.Part("image"))
             else:
-                raise InvalidInputError(f"unsupported content part type {kind!r}")
+                raise InvalidInputError(f"unsupported content part type {shown(kind)}")
         out.append(P.ChatMessage(m["role"], parts))
     return out, blobs
 

@@ -59,8 +59,19 @@ class BrokerConnections:
         i = self.slot(tenant)
         client = self._clients[i]
         if client is None:
-            client = self._clients[i] = self._factory()
-            await client.connect()  # sets up the socket and pings: it does not wait for the broker
+            client = self._factory()
+            try:
+                await client.connect()  # sets up the socket and pings: it does not wait for the broker
+            except BaseException:
+                # Kept in its slot, a client whose connect failed (EMFILE, a key file being
+                # replaced) was handed to every later request of its users, which all failed with
+                # "not connected": the next request makes a new one instead.
+                await client.close()
+                raise
+            if self._clients[i] is not None:  # another request filled the slot while this one awaited
+                await client.close()
+                return self._clients[i]
+            self._clients[i] = client
         return client
 
     @property

@@ -33,6 +33,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from epdq.channel import Channel
+from epdq.transport import close_with
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class HandshakeWatch:
         pair.connect(addr)
         self._channel = Channel(pair, self._on_event, copy=True)
         self._channel.start()
+        # Closed with the socket too: when its connect failed, `make_socket` closed the socket and
+        # its caller never got a watch to close, and this PAIR kept ctx.term() from returning.
+        close_with(sock, self.close)
 
     def _on_event(self, frames: list[Any]) -> None:
         msg = parse_monitor_message(frames)
@@ -184,7 +188,10 @@ class HandshakeWatch:
             self._on_refused(problem)
 
     def close(self) -> None:
-        """Close the monitor's end (after, or instead of, closing the watched socket)."""
+        """Close the monitor's end (after, or instead of, closing the watched socket). Called
+        again, it does nothing."""
+        if self._closed:
+            return
         self._closed = True
         if self._probe is not None:
             self._probe.cancel()  # its connection closes as it unwinds

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import stat
+import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ def _z85_key(key: bytes, what: str) -> bytes:
     try:
         if len(key) == 40 and len(z85.decode(key)) == 32:
             return bytes(key)
-    except (ValueError, KeyError, TypeError, IndexError):
+    # struct.error: a group of 5 z85 characters can spell up to 85**5 > 2**32 (a typo in a key
+    # file), which pyzmq's decoder packs as a 32-bit integer: every malformed key is a ConfigError
+    except (ValueError, KeyError, TypeError, IndexError, struct.error):
         pass
     raise ConfigError(f"{what} is not a 40-character z85 CURVE key")
 
@@ -107,18 +110,25 @@ def generate_keypair(directory: str | Path, name: str, *, overwrite: bool = Fals
     return pub_path, sec_path
 
 
-def _read_cert(path: str | Path) -> tuple[bytes | None, bytes | None, int]:
-    """(public, secret, permission bits) of a certificate file."""
+def _read_cert(path: str | Path, *, admitted: bool = False) -> tuple[bytes | None, bytes | None, int]:
+    """(public, secret, permission bits) of a certificate file. `admitted`: a key in an allow
+    directory, which lets its holder in: it must be a file of its own there (not a symlink), owned
+    by this user or root and writable by nobody else; whoever can change it can let themselves in."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | (os.O_NOFOLLOW | os.O_NONBLOCK if admitted else 0))
     except FileNotFoundError:
         raise ConfigError(f"key file {path} does not exist") from None
     except OSError as e:
+        if admitted and os.path.islink(path):  # O_NOFOLLOW's ELOOP
+            raise ConfigError(f"allowed key file {path} is a symlink: refusing it (copy the key file "
+                              "into the allow directory instead)") from None  # fmt: skip
         raise ConfigError(f"cannot open key file {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)  # the opened file's, so a swap after the check cannot fool it
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"key file {path} is not a regular file")
+        if admitted:
+            _check_admitted(path, st)
         data = os.read(fd, _MAX_KEY_FILE + 1)
     finally:
         os.close(fd)
@@ -146,12 +156,32 @@ def load_keypair(path: str | Path) -> KeyPair:
         raise ConfigError(f"{path}: {e.message}") from None
 
 
-def load_public_key(path: str | Path) -> bytes:
-    """The z85 public key in a `.key` file (or a `.key_secret` one; its secret is not kept)."""
-    pub, sec, _ = _read_cert(path)
+def _check_admitted(path: str | Path, st: os.stat_result) -> None:
+    if st.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"allowed key file {path} belongs to uid {st.st_uid}, not to this user or root: "
+                          "refusing it (whoever owns it can put their own key there)")  # fmt: skip
+    if st.st_mode & 0o022:
+        raise ConfigError(f"allowed key file {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                          f"run: chmod go-w {path}")  # fmt: skip
+
+
+def load_public_key(path: str | Path, *, admitted: bool = False) -> bytes:
+    """The z85 public key in a `.key` file (or a `.key_secret` one; its secret is not kept).
+    `admitted`: a file of an allow directory, with its stricter checks (`_read_cert`)."""
+    pub, sec, _ = _read_cert(path, admitted=admitted)
     if pub is None and sec is None:
         raise ConfigError(f"{path} holds no public-key")
     return pub or zmq.curve_public(sec)
+
+
+def _key_files(allow_dir: Path, pattern: str) -> list[Path]:
+    """The files named `pattern` in `allow_dir`, symlinks included (they are refused when read,
+    not skipped: a key the operator meant to allow must not vanish silently); subdirectories not."""
+    try:
+        found = sorted(allow_dir.glob(pattern))
+        return [p for p in found if p.is_symlink() or not p.is_dir()]
+    except OSError as e:
+        raise ConfigError(f"cannot list allow directory {allow_dir}: {e.strerror or e}") from None
 
 
 def load_allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
@@ -163,7 +193,7 @@ def load_allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
         raise ConfigError(
             f"allow directory {allow_dir} is writable by others; run: chmod go-w {allow_dir}"
         )
-    return frozenset(load_public_key(p) for p in sorted(allow_dir.glob("*.key")) if p.is_file())
+    return frozenset(load_public_key(p, admitted=True) for p in _key_files(allow_dir, "*.key"))
 
 
 WORKER_KEY_GLOB = "worker*.key"  # in the allow directory: the keys that may register workers
@@ -171,8 +201,18 @@ WORKER_KEY_GLOB = "worker*.key"  # in the allow directory: the keys that may reg
 
 def load_worker_keys(allow_dir: str | Path) -> frozenset[bytes]:
     """The allow directory's worker keys (files named `worker*.key`): only a peer holding one of
-    them may register as a worker; every other allowed key is a client's."""
-    return frozenset(load_public_key(p) for p in sorted(Path(allow_dir).glob(WORKER_KEY_GLOB)) if p.is_file())
+    them may register as a worker; every other allowed key is a client's.
+
+    Re-read at every registration, so a file may have gone bad since the allow-list was loaded: that
+    file's key is then left out (logged), and the other workers' keys still count. Raises only
+    ConfigError (the directory itself cannot be read)."""
+    keys = set()
+    for p in _key_files(Path(allow_dir), WORKER_KEY_GLOB):
+        try:
+            keys.add(load_public_key(p, admitted=True))
+        except ConfigError as e:
+            log.error("worker key refused: %s", e.message)
+    return frozenset(keys)
 
 
 # ------------------------------------------------------------------ configs and policy

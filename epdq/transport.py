@@ -36,9 +36,11 @@ MAX_MESSAGE_BYTES_DEFAULT = 64 * 2**20
 _IPC_PATH_MAX = int(getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107)  # sizeof(sockaddr_un.sun_path) - 1
 
 
-def endpoint_problem(address: str) -> str | None:
+def endpoint_problem(address: str, *, connect: bool = False) -> str | None:
     """Why `address` is not a ZeroMQ endpoint epdq can use, or None. ZeroMQ itself takes a tcp
-    port above 65535 modulo 65536 (tcp://host:70000 listens on 4464), so ports are checked here."""
+    port above 65535 modulo 65536 (tcp://host:70000 listens on 4464), so ports are checked here.
+    `connect`: the address is one to connect to, where a wildcard means nothing (ZeroMQ refuses a
+    `*` host or port there with a bare EINVAL, and takes port 0 but never connects)."""
     if not isinstance(address, str):
         return f"an address must be a string, not {type(address).__name__}"
     scheme, sep, rest = address.partition("://")
@@ -48,6 +50,9 @@ def endpoint_problem(address: str) -> str | None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
             return f"a tcp address needs HOST:PORT with a port in 0..65535 (or *), got {address!r}"
+        if connect and (host.rpartition(";")[2] in ("*", "") or port == "*" or int(port) == 0):
+            return (f"{address!r} is a wildcard, an address to listen on: connect to the broker's host and port "
+                    f"(tcp://HOST:PORT with a port in 1..65535)")  # fmt: skip
     elif scheme == "ipc" and len(rest.encode()) > _IPC_PATH_MAX:
         return f"an ipc path can be at most {_IPC_PATH_MAX} bytes (a Unix socket's limit), got {len(rest.encode())}"
     return None
@@ -117,9 +122,15 @@ def make_socket(
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         endpoint = bind if bind is not None else connect
-        problem = endpoint_problem(endpoint) if endpoint is not None else None
+        problem = endpoint_problem(endpoint, connect=bind is None) if endpoint is not None else None
         if problem:
             raise ConfigError(problem)
+        if endpoint is not None and _ipv6_literal(endpoint):
+            # ZeroMQ sockets are IPv4-only by default: a bind on [::1] failed with "No such device"
+            # and a connect to it silently never connected. Only where the address is an IPv6
+            # literal: with the option set, an IPv4 bind reports tcp://[::ffff:127.0.0.1]:PORT and a
+            # host name resolves to its IPv6 address first, changing what every IPv4 setup sees.
+            sock.setsockopt(zmq.IPV6, 1)
         if security is not None and endpoint is not None and curve_required(endpoint, security):
             if bind is not None:
                 server = security.server()
@@ -138,12 +149,33 @@ def make_socket(
                 os.chmod(bind[len("ipc://") :], 0o600)
         if connect is not None:
             if before_connect is not None:
-                before_connect(sock)
-            sock.connect(connect)
+                before_connect(sock)  # a monitor it attaches goes with the socket (`close_with`)
+            try:
+                sock.connect(connect)
+            except zmq.ZMQError as e:  # the address's fault: endpoint_problem let something through
+                raise ConfigError(f"cannot connect to {connect}: {e.strerror}") from None
     except BaseException:
         close_socket(sock)
         raise
     return sock
+
+
+def _ipv6_literal(endpoint: str) -> bool:
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    return any(h.startswith("[") for h in host.split(";"))  # [src;]host: either may be IPv6
+
+
+# What must close with a socket: a monitor's reader, which would otherwise keep the context from
+# terminating (ctx.term() hung after a failed connect left a HandshakeWatch open).
+_closers: weakref.WeakKeyDictionary[zmq.Socket, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def close_with(sock: zmq.Socket, fn: Callable[[], None]) -> None:
+    """Call `fn` when `close_socket` closes `sock` (also when `make_socket` fails after
+    `before_connect` attached it). `fn` must tolerate being called again by its owner."""
+    _closers.setdefault(sock, []).append(fn)
 
 
 # The ipc files this process bound: ZeroMQ (4.3) never removes one, so a clean shutdown left it
@@ -172,6 +204,11 @@ def close_socket(sock: zmq.Socket, linger_ms: int = 0) -> None:
         except OSError:
             pass
     sock.close(linger=linger_ms)
+    for fn in _closers.pop(sock, ()):
+        try:
+            fn()
+        except Exception:  # the socket is closed; a closer's failure must not hide that
+            log.warning("closing what went with a socket failed", exc_info=True)
 
 
 def _prepare_ipc(address: str) -> None:
@@ -197,15 +234,18 @@ def _prepare_ipc(address: str) -> None:
         raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"cannot listen on {address}: {path} exists and is not a socket (refusing to replace it)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
+    # Only a refused connection says stale. A live listener whose backlog is full timed out a
+    # blocking probe, and EACCES says nothing of who listens: both were taken for stale, and the
+    # bind then replaced a live endpoint.
+    listening = _listening(path)
+    if listening is False:
         return  # a stale socket: ZeroMQ replaces it
-    finally:
-        probe.close()
-    raise ConfigError(f"cannot listen on {address}: another process is listening there")
+    if listening:
+        raise ConfigError(f"cannot listen on {address}: another process is listening there")
+    if not os.path.lexists(path):
+        return  # removed meanwhile: nothing to replace
+    raise ConfigError(f"cannot listen on {address}: cannot tell whether a process listens on {path} "
+                      "(refusing to replace it; remove it if it is stale)")  # fmt: skip
 
 
 def _makedirs_private(path: str) -> None:
