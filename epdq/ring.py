@@ -41,7 +41,7 @@ import torch
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.protocol import fetch_chunks
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
-from epdq.transport import pid_alive as _pid_alive  # one liveness test for segments and socket files
+from epdq.transport import pid_alive as _pid_alive  # noqa: F401 (tests/integration/netns.py takes it from here)
 
 SHM_DIR = "/dev/shm"
 KEY_BYTES = 16
@@ -126,12 +126,17 @@ class RingWriter:
             raise _no_room(self.capacity, st.f_bavail * st.f_frsize)
         self.name = f"epdq-{os.getuid()}-{owner_tag}-{os.getpid()}-{secrets.token_hex(8)}"
         self._path = os.path.join(SHM_DIR, self.name)
+        # Made and locked under a name the sweep does not match, then renamed into place: the
+        # sweep takes any unlocked segment for a dead writer's, so it must never see ours unlocked.
+        made = f"{self._path}.new"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self._path, flags, 0o600)
+        self._fd = os.open(made, flags, 0o600)
         try:
             os.fchmod(self._fd, 0o600)  # umask can only remove bits, but be explicit
             # Held for our lifetime: cleanup_stale_segments never unlinks a live ring.
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(made, self._path)
+            made = self._path
             os.ftruncate(self._fd, self.capacity)
             # Reserve tmpfs pages now: a full /dev/shm fails here, not as SIGBUS mid-write.
             try:
@@ -153,7 +158,7 @@ class RingWriter:
             self._base = ctypes.addressof(self._anchor)
         except BaseException:
             os.close(self._fd)
-            os.unlink(self._path)
+            os.unlink(made)
             raise
         self._finalizer = weakref.finalize(self, _unlink_segment, self._path, os.getpid())
         self._lock = threading.Lock()
@@ -388,10 +393,12 @@ class RingWriter:
 
 
 def cleanup_stale_segments(uid: int | None = None) -> list[str]:
-    """Unlink this uid's ring segments whose creator is dead; returns the names removed.
+    """Unlink this uid's ring segments whose writer is gone; returns the names removed.
 
-    A live pid is taken as alive even if reused; a dead pid is confirmed by taking the segment's
-    flock, which its writer holds for life (pids from another pid namespace look dead)."""
+    The flock a writer holds for life is the test, whatever pid the name carries: a restarted
+    container's encoder often gets the pid of the one that died (1, in a fresh pid namespace)
+    while /dev/shm outlives it, and pids from another pid namespace look dead from here. A
+    writer locks its segment before the segment takes its name (see RingWriter)."""
     uid = os.getuid() if uid is None else uid
     pattern = _name_pattern(uid)
     removed: list[str] = []
@@ -400,8 +407,7 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        m = pattern.fullmatch(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if pattern.fullmatch(name) is None:
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -415,7 +421,7 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
             os.unlink(path)
             removed.append(name)
         except OSError:
-            continue  # locked by a live writer, or already gone
+            continue  # locked by a live writer (or a reader's brief liveness check), or already gone
         finally:
             os.close(fd)
     return removed

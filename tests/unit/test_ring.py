@@ -684,24 +684,32 @@ def fake_segment(pid: int) -> tuple[str, int]:
     return name, fd
 
 
-def test_cleanup_removes_segments_of_dead_pids_only(writer):
-    dead_name, fd = fake_segment(dead_pid())
-    os.close(fd)
-    live_name, fd2 = fake_segment(os.getpid())
-    os.close(fd2)
+def test_cleanup_removes_every_unlocked_segment_whatever_pid_its_name_carries(writer):
+    # The sweep spared segments whose pid was alive. A restarted container's encoder often has
+    # the pid of the one that crashed (1, in a fresh pid namespace) and /dev/shm outlives it:
+    # each crash leaked a whole ring, until the next ring no longer fit.
+    names = []
+    for pid in (dead_pid(), os.getpid(), 1):
+        name, fd = fake_segment(pid)
+        os.close(fd)
+        names.append(name)
     try:
         removed = ring_mod.cleanup_stale_segments()
-        assert dead_name in removed
-        assert not os.path.exists(os.path.join(SHM_DIR, dead_name))
-        assert os.path.exists(os.path.join(SHM_DIR, live_name))
+        for name in names:
+            assert name in removed
+            assert not os.path.exists(os.path.join(SHM_DIR, name))
+        assert writer.name not in removed
         assert os.path.exists(os.path.join(SHM_DIR, writer.name))
     finally:
-        os.unlink(os.path.join(SHM_DIR, live_name))
+        for name in names:
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
 
 
-def test_cleanup_keeps_a_segment_whose_writer_still_holds_its_lock():
+@pytest.mark.parametrize("pid", ["dead", "ours"])
+def test_cleanup_keeps_a_segment_whose_writer_still_holds_its_lock(pid):
     # e.g. a writer in another pid namespace: its pid looks dead from here.
-    name, fd = fake_segment(dead_pid())
+    name, fd = fake_segment(dead_pid() if pid == "dead" else os.getpid())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert name not in ring_mod.cleanup_stale_segments()
@@ -709,6 +717,47 @@ def test_cleanup_keeps_a_segment_whose_writer_still_holds_its_lock():
     finally:
         os.close(fd)
         os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_a_sweep_never_sees_a_new_ring_before_it_is_locked(monkeypatch):
+    # The sweep takes every unlocked segment for a dead writer's. One that runs while a writer is
+    # between creating its segment and locking it (an encoder starting beside another) must not
+    # take the new ring: the segment gets its name only once it is locked.
+    real_flock = fcntl.flock
+    swept: list[list[str]] = []
+
+    def flock(fd, op):
+        if not swept:
+            swept.append([])  # the sweep below locks too: it must not recurse
+            swept[0] = ring_mod.cleanup_stale_segments()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(ring_mod.fcntl, "flock", flock)
+    w = RingWriter(MIN_CAPACITY, owner_tag="test")
+    try:
+        monkeypatch.undo()
+        assert swept and w.name not in swept[0]
+        path = os.path.join(SHM_DIR, w.name)
+        assert os.path.exists(path) and not os.path.exists(path + ".new")
+        assert w.name not in ring_mod.cleanup_stale_segments()
+        assert w.write(key(), f32(64)) is not None
+    finally:
+        w.close()
+
+
+def test_a_ring_that_cannot_lock_its_segment_leaves_no_file(monkeypatch):
+    def cannot(fd, op):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    def mine() -> set[str]:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(f"epdq-{os.getuid()}-") and f"-{os.getpid()}-" in n}
+
+    before = mine()  # with the names of segments not yet locked
+    monkeypatch.setattr(ring_mod.fcntl, "flock", cannot)
+    with pytest.raises(OSError, match="no locks"):
+        RingWriter(MIN_CAPACITY, owner_tag="test")
+    monkeypatch.undo()
+    assert mine() == before
 
 
 # -- random operation sequences -------------------------------------------------------------------
