@@ -19,7 +19,9 @@ import base64
 import errno
 import hashlib
 import io
+import itertools
 import os
+import re
 import stat
 import sys
 from typing import TYPE_CHECKING, Any
@@ -37,7 +39,24 @@ MAX_IMAGE_PIXELS_DEFAULT = 40_000_000
 FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
 _KEY_PERSON = b"epdq.image.v1"  # domain separation: these hashes mean nothing elsewhere
 _BMP_DIB_SIZES = frozenset({12, 40, 52, 56, 64, 108, 124})
-_PNG_MODES = frozenset({"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"})
+# Modes Pillow writes as PNG as they are ("I" is not one: it is sent as "I;16", see _to_png).
+_PNG_MODES = frozenset({"1", "L", "LA", "I;16", "P", "RGB", "RGBA"})
+# libjpeg walks every block of the image once per scan, so a progressive JPEG that repeats a tiny
+# scan thousands of times takes minutes to decode from a few hundred KB. Real encoders write about
+# 10 scans (libjpeg's progressive script: 10 for colour, 6 for grey); at this many a 40-Mpixel
+# image costs at most a few times its normal decode.
+_JPEG_MAX_SCANS = 100
+# Marker segments and fill bytes a JPEG header walk looks at before giving up on the file. Before
+# the first scan Pillow's own parser walks them in Python too (20 MiB of empty segments took it
+# seconds); real files have dozens, and even a 63 MiB file of 64 KiB APP segments has ~1,000.
+_JPEG_MAX_MARKERS = 2048
+# A marker as libjpeg finds one anywhere: 0xFF then a code that is neither stuffing (0x00), a
+# restart marker (RSTn, which begins nothing) nor another fill byte.
+_JPEG_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
+_JPEG_SOS = re.compile(rb"\xff\xda")  # a regex: it reads a memoryview, and faster than bytes.count
+# Extension sub-blocks (and stray bytes) a GIF header walk looks at before its first image; real
+# files have a handful (a few hundred with a large XMP packet).
+_GIF_MAX_BLOCKS = 4096
 
 
 def image_key(scope: str, data: Any) -> bytes:
@@ -169,6 +188,8 @@ def decode_image(
     if size is None:
         raise InvalidInputError(f"{fmt} header is truncated or malformed")
     _check_size(size, max_pixels)
+    if fmt == "jpeg":
+        _check_jpeg_scans(view)
 
     from PIL import Image
 
@@ -236,7 +257,12 @@ def _to_png(im: Image.Image) -> bytes:
     try:
         # turned now, as vLLM turns a PIL image it is given: the PNG carries no EXIF orientation
         im = _upright(im)
-        if im.mode not in _PNG_MODES:
+        if im.mode == "I":
+            # Pillow cannot write mode I as PNG. As I;16 (clamped to 0..65535) it keeps 16-bit
+            # pixels exact, and every value still becomes the RGB that Pillow's I -> RGB gives,
+            # what a colocated engine makes of this image.
+            im = im.convert("I;16")
+        elif im.mode not in _PNG_MODES:
             im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
         buf = io.BytesIO()
         im.save(buf, format="PNG")  # lossless; same pixels and info give the same bytes
@@ -296,7 +322,7 @@ def _header_size(fmt: str, b: memoryview) -> tuple[int, int] | None:
             return None
         return _u(b, 16, 20, "big"), _u(b, 20, 24, "big")
     if fmt == "gif":
-        return (_u(b, 6, 8), _u(b, 8, 10)) if len(b) >= 10 else None
+        return _gif_size(b)
     if fmt == "bmp":
         if _u(b, 14, 18) == 12:
             return (_u(b, 18, 20), _u(b, 20, 22)) if len(b) >= 22 else None
@@ -319,10 +345,43 @@ def _webp_size(b: memoryview) -> tuple[int, int] | None:
     return None
 
 
+def _gif_size(b: memoryview) -> tuple[int, int] | None:
+    """The canvas Pillow decodes a GIF's first frame onto: the logical screen, grown to hold the
+    first image where its descriptor places it (a 43-byte file with a 1x1 screen and a 1x1 image
+    at (6299, 6299) decodes to 6300x6300). None if the walk does not reach that descriptor."""
+    n = len(b)
+    if n < 13:
+        return None
+    flags = b[10]
+    i = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # after the global colour table
+    budget = _GIF_MAX_BLOCKS
+    while budget > 0 and i < n:
+        budget -= 1
+        c = b[i]
+        if c == 0x2C:  # image descriptor: left, top, width, height
+            if i + 9 > n:
+                return None
+            right, bottom = _u(b, i + 1, i + 3) + _u(b, i + 5, i + 7), _u(b, i + 3, i + 5) + _u(b, i + 7, i + 9)
+            return max(_u(b, 6, 8), right), max(_u(b, 8, 10), bottom)
+        if c == 0x3B:  # trailer: no image at all
+            return None
+        if c == 0x21:  # extension: label, then sub-blocks up to an empty one
+            i += 2
+            while budget > 0 and i < n and b[i]:
+                budget -= 1
+                i += 1 + b[i]
+            i += 1
+        else:
+            i += 1  # Pillow skips a stray byte here, so the walk does too
+    return None
+
+
 def _jpeg_size(b: memoryview) -> tuple[int, int] | None:
     # Walks segment lengths (EXIF/ICC segments may push the frame header far in), no copying.
     i, n = 2, len(b)
-    while i + 4 <= n:
+    for _ in range(_JPEG_MAX_MARKERS):
+        if i + 4 > n:
+            return None
         if b[i] != 0xFF:
             return None
         marker = b[i + 1]
@@ -341,3 +400,34 @@ def _jpeg_size(b: memoryview) -> tuple[int, int] | None:
             return None
         i += 2 + length
     return None
+
+
+def _check_jpeg_scans(data: memoryview) -> None:
+    """InvalidInputError if libjpeg would decode more than _JPEG_MAX_SCANS scans of this file."""
+    # Every scan libjpeg reads begins with these two bytes, so their count bounds the scans: the
+    # common case ends here, at C speed (~1.4 ms for a 12-Mpixel photo whose decode takes 70).
+    # Above it, walk the markers up to the first image's end, since a phone's motion photo
+    # carries its video (any bytes) after that.
+    if next(itertools.islice(_JPEG_SOS.finditer(data), _JPEG_MAX_SCANS, None), None) is None:
+        return
+    scans, i = 0, 2
+    for _ in range(_JPEG_MAX_MARKERS):
+        # Skips entropy-coded data (only stuffed 0xFF00 and RSTn there) and stray bytes, as libjpeg does.
+        m = _JPEG_MARKER.search(data, i)
+        if m is None:
+            return
+        i = m.start()
+        code = data[i + 1]
+        if code == 0xD9:  # end of image
+            return
+        if code in (0x01, 0xD8):  # markers without a length
+            i += 2
+            continue
+        if code == 0xDA:
+            scans += 1
+            if scans > _JPEG_MAX_SCANS:
+                raise InvalidInputError(f"jpeg has over {_JPEG_MAX_SCANS} scans (a decompression bomb)")
+        # libjpeg reads exactly the segment's length (or fails): skipping more could miss a scan
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        i += 2 + max(length, 2)
+    raise InvalidInputError(f"jpeg has over {_JPEG_MAX_MARKERS} marker segments")

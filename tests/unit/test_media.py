@@ -13,10 +13,14 @@ from PIL import Image
 
 from epdq.errors import InvalidInputError
 from epdq.media import (
+    _JPEG_MAX_SCANS,
+    DECODE_INLINE_PIXELS,
     MAX_IMAGE_PIXELS_DEFAULT,
     decode_image,
+    header_pixels,
     image_key,
     load_image_bytes,
+    quick_to_decode,
     sniff_format,
 )
 
@@ -219,6 +223,108 @@ def test_decode_rejects_jpeg_and_webp_bombs():
         decode_image(webp)
 
 
+def jpeg_segments(data: bytes) -> list[bytes]:
+    """A JPEG's markers with their bytes, a scan's entropy-coded data included (no RSTn here)."""
+    out, i = [], 2
+    while i < len(data):
+        code = data[i + 1]
+        if code == 0xD9:
+            return [*out, data[i:]]
+        j = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if code == 0xDA:
+            while not (data[j] == 0xFF and data[j + 1] != 0):
+                j += 1
+        out.append(data[i:j])
+        i = j
+    raise AssertionError("no EOI")
+
+
+def repeated_scans(extra: int) -> bytes:
+    """A progressive 64x64 JPEG whose smallest AC scan is repeated `extra` more times: each one
+    makes libjpeg walk every block again (a 296 KB file of them took 6.6 s)."""
+    segs = jpeg_segments(encoded("JPEG", size=(64, 64), mode="L", color=128, progressive=True))
+    scan = min((s for s in segs if s[1] == 0xDA and s[7] > 0), key=len)  # Ss > 0: an AC scan
+    return b"\xff\xd8" + b"".join(segs[:-1]) + scan * extra + segs[-1]
+
+
+def scans_in(data: bytes) -> int:
+    return sum(s[1] == 0xDA for s in jpeg_segments(data))
+
+
+def test_decode_refuses_a_jpeg_that_repeats_its_scans():
+    ok = repeated_scans(_JPEG_MAX_SCANS - scans_in(repeated_scans(0)))
+    assert scans_in(ok) == _JPEG_MAX_SCANS
+    assert decode_image(ok).size == (64, 64)
+    with pytest.raises(InvalidInputError, match="scans"):
+        decode_image(repeated_scans(_JPEG_MAX_SCANS))
+
+
+def test_a_jpeg_with_scan_markers_outside_its_scans_still_decodes():
+    # A phone's motion photo carries its video after the JPEG's end; any segment may carry any
+    # bytes. Neither is a scan libjpeg decodes.
+    data = encoded("JPEG", size=(16, 16), progressive=True)
+    after_end = data + b"\xff\xda" * (2 * _JPEG_MAX_SCANS)
+    body = b"\xff\xda" * (2 * _JPEG_MAX_SCANS)
+    in_a_segment = data[:2] + b"\xff\xfe" + (len(body) + 2).to_bytes(2, "big") + body + data[2:]
+    for d in (after_end, in_a_segment):
+        assert decode_image(d).size == (16, 16)
+
+
+@pytest.mark.parametrize("filler", [b"\xff\xfe\x00\x02", b"\xff"])
+def test_decode_refuses_a_jpeg_of_endless_empty_segments_at_once(filler):
+    # Before the first scan Pillow walks segments in Python too: 20 MiB of empty comments (or of
+    # fill bytes) took it and the header walk ~8-12 s, which header_pixels called quick.
+    data = encoded("JPEG", size=(16, 16))
+    bloated = data[:2] + filler * 5000 + data[2:]
+    assert header_pixels(bloated) == 0
+    with pytest.raises(InvalidInputError, match="malformed"):
+        decode_image(bloated)
+    assert decode_image(data[:2] + filler * 100 + data[2:]).size == (16, 16)
+
+
+def gif(screen: tuple[int, int], place: tuple[int, int], *, extensions: bytes = b"") -> bytes:
+    """A GIF whose one 1x1 image lies at `place` on a logical screen of `screen`."""
+    head = b"GIF89a" + struct.pack("<HH", *screen) + b"\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff"
+    image = b"\x2c" + struct.pack("<HHHH", *place, 1, 1) + b"\x00" + b"\x02\x02\x4c\x01\x00"
+    return head + extensions + image + b"\x3b"
+
+
+GCE = b"\x21\xf9\x04\x01\x00\x00\x00\x00"  # graphic control: colour 0 is transparent
+COMMENT = b"\x21\xfe" + (b"\x05hello" * 3) + b"\x00"
+NETSCAPE = b"\x21\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"
+
+
+@pytest.mark.parametrize("extensions", [b"", GCE, COMMENT + NETSCAPE + GCE, b"\x00" + GCE])
+@pytest.mark.parametrize("screen,place", [((1, 1), (299, 299)), ((300, 300), (0, 0)), ((10, 400), (250, 3))])
+def test_header_pixels_of_a_gif_are_those_of_the_canvas_pillow_decodes(screen, place, extensions):
+    # Pillow grows the canvas to hold an image placed past the logical screen: a 43-byte GIF with
+    # a 1x1 screen decoded to 6300x6300 (2.3 s, 814 MiB) on an event loop told it was quick.
+    data = gif(screen, place, extensions=extensions)
+    size = Image.open(io.BytesIO(data)).size
+    assert header_pixels(data) == size[0] * size[1] > DECODE_INLINE_PIXELS
+    assert not quick_to_decode([data])
+    assert decode_image(data).size == size
+    with pytest.raises(InvalidInputError, match="pixels"):
+        decode_image(data, max_pixels=size[0] * size[1] - 1)
+
+
+def test_decode_refuses_a_gif_whose_first_image_lies_past_the_pixel_limit_before_pillow_sees_it():
+    # 6325x6325 and more, from 35 bytes: refused from the header, before Pillow opens it (which
+    # warns, or raises its own DecompressionBombError, past its global limit).
+    for place in ((6324, 6324), (9999, 9999), (65535, 65535)):
+        with pytest.raises(InvalidInputError, match="limit 40000000"):
+            decode_image(gif((1, 1), place))
+
+
+def test_a_gif_without_an_image_or_with_endless_extensions_is_refused_at_once():
+    head = gif((8, 8), (0, 0))[:19]
+    endless = head + (b"\x21\xfe" + b"\x01x" * 5000 + b"\x00") + gif((8, 8), (0, 0))[19:]
+    for data in (head + b"\x3b", head, endless):
+        assert header_pixels(data) == 0
+        with pytest.raises(InvalidInputError, match="malformed"):
+            decode_image(data)
+
+
 def test_decode_pixel_and_byte_limits_are_parameters():
     data = encoded("PNG", size=(64, 64))
     assert decode_image(data, max_pixels=64 * 64).size == (64, 64)
@@ -300,6 +406,37 @@ def test_load_pil_image_is_lossless_and_deterministic():
     assert decode_image(a).tobytes() == im.tobytes()
     cmyk = Image.new("CMYK", (4, 4), (0, 0, 0, 0))
     assert decode_image(load_image_bytes(cmyk)).size == (4, 4)
+
+
+@pytest.mark.parametrize("mode", ["I", "I;16", "F"])
+def test_a_pil_image_of_integer_or_float_pixels_is_sent_as_a_colocated_engine_sees_it(mode):
+    # Mode I was taken for one Pillow writes as PNG: the client refused it ("cannot write mode I").
+    import numpy as np
+    from vllm.multimodal.image import convert_image_mode, normalize_image
+
+    values = [-(2**31), -70000, -1, 0, 1, 127, 255, 256, 1000, 32767, 65535, 65536, 2**31 - 1]
+    if mode == "I;16":
+        values = [v for v in values if 0 <= v <= 65535]
+    dtype = {"I": np.int32, "I;16": np.uint16, "F": np.float32}[mode]
+    im = Image.fromarray(np.array([values], dtype=dtype))
+    assert im.mode == mode
+    images = [im]
+    if mode == "I":
+        with_16_bits = Image.fromarray(np.array([[0, 1, 300, 40000, 65535]], dtype=np.int32))
+        images.append(with_16_bits)
+        transparent = im.copy()
+        transparent.info["transparency"] = 1000
+        images.append(transparent)
+    for im in images:
+        sent = load_image_bytes(im)
+        assert sent == load_image_bytes(im.copy())
+        ours = decode_image(sent)
+        theirs = convert_image_mode(normalize_image(im), "RGB")
+        assert ours.size == theirs.size and ours.tobytes() == theirs.tobytes()
+    if mode == "I":  # and 16-bit pixels travel exact
+        sent = Image.open(io.BytesIO(load_image_bytes(with_16_bits)))
+        assert sent.mode == "I;16" and sent.tobytes() == with_16_bits.convert("I;16").tobytes()
+        assert [sent.getpixel((x, 0)) for x in range(5)] == [0, 1, 300, 40000, 65535]
 
 
 @pytest.mark.parametrize("bad", [None, 3, 1.5, ["x.png"], {"image": b"x"}])
