@@ -41,7 +41,6 @@ import torch
 from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError, StaleEmbeddingError
 from epdq.protocol import fetch_chunks
 from epdq.ring_space import ALIGN, HEADER_BYTES, EntryLoc, RingSpace, _Entry
-from epdq.transport import pid_alive as _pid_alive  # noqa: F401 (tests/integration/netns.py takes it from here)
 
 SHM_DIR = "/dev/shm"
 KEY_BYTES = 16

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdq.cluster import die_with_parent
-from epdq.ring import _pid_alive
+from epdq.transport import pid_alive as _pid_alive
 
 NS_PREFIX = "epdqnt-"
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-\d+-\S+$")

@@ -23,6 +23,7 @@ from epdq.errors import ConfigError, EntryPending, ProtocolError, RingFullError,
 from epdq.protocol import fetch_chunks
 from epdq.ring import ALIGN, HEADER_BYTES, MIN_CAPACITY, SHM_DIR, EntryLoc, RingWriter, entry_seal
 from epdq.ring_reader import RingReader
+from epdq.transport import pid_alive
 
 MIB = 1 << 20
 
@@ -672,7 +673,7 @@ def test_reader_caches_a_bounded_number_of_segments():
 def dead_pid() -> int:
     with open("/proc/sys/kernel/pid_max") as f:
         pid = int(f.read()) - 1
-    while ring_mod._pid_alive(pid):
+    while pid_alive(pid):
         pid -= 1
     return pid
 
