@@ -262,6 +262,8 @@ def _to_png(im: Image.Image) -> bytes:
             # pixels exact, and every value still becomes the RGB that Pillow's I -> RGB gives,
             # what a colocated engine makes of this image.
             im = im.convert("I;16")
+        elif im.mode == "La":  # premultiplied alpha: Pillow converts it to nothing but LA
+            im = im.convert("LA")
         elif im.mode not in _PNG_MODES:
             im = im.convert("RGBA" if "A" in im.getbands() else "RGB")
         buf = io.BytesIO()

@@ -408,6 +408,16 @@ def test_load_pil_image_is_lossless_and_deterministic():
     assert decode_image(load_image_bytes(cmyk)).size == (4, 4)
 
 
+def test_every_pil_mode_a_user_may_hold_is_sent():
+    # "La" (premultiplied alpha) converts to nothing but LA in Pillow: the client refused it
+    for mode in ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV",
+                 "I", "I;16", "F"):  # fmt: skip
+        sent = load_image_bytes(Image.new(mode, (5, 3)))
+        assert decode_image(sent).size == (5, 3), mode
+    la = Image.new("LA", (2, 2), (200, 255)).convert("La")
+    assert decode_image(load_image_bytes(la)).getpixel((0, 0)) == (200, 200, 200)  # opaque: as it was
+
+
 @pytest.mark.parametrize("mode", ["I", "I;16", "F"])
 def test_a_pil_image_of_integer_or_float_pixels_is_sent_as_a_colocated_engine_sees_it(mode):
     # Mode I was taken for one Pillow writes as PNG: the client refused it ("cannot write mode I").
