@@ -223,6 +223,7 @@ def _prepare_ipc(address: str) -> None:
         _makedirs_private(parent)
     except OSError as e:
         raise ConfigError(f"cannot listen on {address}: cannot create {parent}: {e.strerror or e}") from None
+    _warn_if_shared(address, parent)
     # ZeroMQ binds an ipc path by unlinking whatever is there: a mistyped address would delete
     # the user's file, and a second broker would silently take the first one's endpoint. Only a
     # stale socket (its process gone) is replaced.
@@ -246,6 +247,21 @@ def _prepare_ipc(address: str) -> None:
         return  # removed meanwhile: nothing to replace
     raise ConfigError(f"cannot listen on {address}: cannot tell whether a process listens on {path} "
                       "(refusing to replace it; remove it if it is stale)")  # fmt: skip
+
+
+def _warn_if_shared(address: str, parent: str) -> None:
+    """An ipc link carries no keys: what keeps other users off it is a directory only we can
+    write. The socket file (0600) keeps them from connecting while we listen, but in a directory
+    they can write (/tmp) another user may listen on the same path once we stop, and our peers'
+    reconnects then carry prompts and images to them."""
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return
+    if st.st_mode & 0o022 or st.st_uid not in (os.getuid(), 0):
+        log.warning("%s is in %s, a directory other users can write: while this process is stopped, "
+                    "another user could listen there and receive what its peers send; use a directory "
+                    "only you can write (e.g. ipc://$XDG_RUNTIME_DIR/epdq/broker.sock)", address, parent)  # fmt: skip
 
 
 def _makedirs_private(path: str) -> None:

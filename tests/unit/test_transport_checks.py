@@ -269,3 +269,18 @@ def test_an_allowed_key_file_of_another_user_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=f"worker.key belongs to uid {other}"):
         load_allowed_keys(allowed)
     assert load_worker_keys(allowed) == frozenset()  # refused at a registration too, not a crash
+
+
+def test_an_ipc_endpoint_in_a_directory_others_can_write_is_warned_of(short_dir, caplog):
+    # the 0600 socket keeps others from connecting while it listens; once it stops, another user
+    # could listen on the same path in a shared directory and get what its peers send
+    shared = os.path.join(short_dir, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    private = os.path.join(short_dir, "private")
+    with caplog.at_level(logging.WARNING, logger="epdq.transport"):
+        _prepare_ipc(f"ipc://{private}/b.sock")  # created 0700: nothing to say
+        assert not caplog.records
+        _prepare_ipc(f"ipc://{shared}/b.sock")
+    (rec,) = caplog.records
+    assert "other users can write" in rec.getMessage() and shared in rec.getMessage()
