@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import sys
@@ -60,6 +61,18 @@ def _setup_logging(level: str, fmt: str, *, vllm: bool = False) -> None:
         raise typer.BadParameter(str(e), param_hint="--log-format") from None
 
 
+MAX_MIB = 2**20  # 1 TiB: more than any of these limits can sensibly be
+
+
+def _mib(value: float, flag: str) -> int:
+    """A size option given in MiB, as bytes. int(inf * 2**20) raised OverflowError (a traceback),
+    and NaN reached the config's check, whose message named the config field, not the flag; the
+    config still checks the range each setting allows (and names the flag)."""
+    if not (math.isfinite(value) and value <= MAX_MIB):
+        raise typer.BadParameter(f"{flag} must be a number of MiB up to {MAX_MIB}, got {value}")
+    return int(value * 2**20)
+
+
 def _run(coro):
     from epdq.launch import run
 
@@ -105,7 +118,8 @@ def broker(
     try:
         cfg = BrokerConfig(
             address=address, max_queued_requests=max_queued, max_images_per_request=max_images,
-            max_image_bytes=int(max_image_mb * 2**20), max_held_image_bytes=int(max_held_image_mb * 2**20),
+            max_image_bytes=_mib(max_image_mb, "--max-image-mb"),
+            max_held_image_bytes=_mib(max_held_image_mb, "--max-held-image-mb"),
             default_timeout_s=timeout, heartbeat_s=heartbeat,
             liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
             unpin_delay_s=unpin_delay, metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
@@ -435,7 +449,8 @@ def serve_http(
     try:
         cfg = GatewayConfig(
             broker, host=host, port=port, model_name=model_name, allow_dir=allow_dir or None,
-            allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=int(max_body_mb * 2**20), max_image_bytes=int(max_image_mb * 2**20),
+            allow_remote_urls=allow_remote_urls, allow_private_urls=allow_private_urls, max_body_bytes=_mib(max_body_mb, "--max-body-mb"),
+            max_image_bytes=_mib(max_image_mb, "--max-image-mb"),
             max_images=max_images,
             request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
             share_by=share_by, share_connections=share_connections, log_format=log_format,
