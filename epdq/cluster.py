@@ -91,6 +91,9 @@ class Child:
     restarts: int = 0  # crashes in a row (a long healthy run starts the count again)
     started: float = field(default_factory=time.monotonic)
     restart_at: float | None = None  # it exited: when the supervisor starts it again
+    # it exited leaving processes in its group (pid -> start time), SIGTERMed; SIGKILLed at kill_at
+    leftovers: dict[int, int] = field(default_factory=dict)
+    kill_at: float = 0.0
 
     def tail(self, n: int = 40) -> str:
         """The last `n` lines this process wrote (not its predecessors' in the same file)."""
@@ -160,7 +163,7 @@ class Cluster:
 
     async def supervise(
         self, *, max_restarts: int = 5, say=lambda _m: None, interval_s: float = 0.5,
-        backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 600.0,
+        backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 600.0, kill_after_s: float = 3.0,
     ) -> None:  # fmt: skip
         """Until cancelled: restart any child that exits, up to `max_restarts` crashes in a row
         each; then RuntimeError with its last log lines. Workers re-register by themselves, and
@@ -173,7 +176,12 @@ class Cluster:
         (long, since the run includes loading the model: one that loads for minutes, then fails,
         is a crash loop all the same).
         A child that exits 0 was told to stop and drained (a rolling restart: SIGTERM one process
-        at a time): it is started again at once, without counting against `max_restarts`."""
+        at a time): it is started again at once, without counting against `max_restarts` (also
+        when that is 0: it did not crash).
+
+        What an exited child started and left running (a SIGKILLed worker's engine processes) gets
+        SIGTERM at once, which lets vLLM's remove their shared memory, and SIGKILL `kill_after_s`
+        later (or at the restart, if that comes first)."""
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
@@ -181,11 +189,10 @@ class Cluster:
                 rc = ch.proc.poll()
                 if rc is None:
                     continue
-                planned = rc == 0 and max_restarts > 0
+                planned = rc == 0
                 if ch.restart_at is None:  # found it exited just now
-                    # what it started and left running (a SIGKILLed worker's engine processes,
-                    # which also watch for it); SIGTERM lets vLLM's remove its shared memory
-                    signal_group(ch, signal.SIGTERM)
+                    ch.leftovers = group_members(ch.proc.pid)
+                    signal_members(ch.proc.pid, ch.leftovers, signal.SIGTERM)
                     if not planned and now - ch.started >= stable_s:
                         ch.restarts = 0  # not part of a crash loop
                     if not planned and ch.restarts >= max_restarts:
@@ -196,14 +203,19 @@ class Cluster:
                         )
                     delay = 0.0 if planned else min(backoff_s * 2**ch.restarts, backoff_max_s)
                     ch.restart_at = now + delay
+                    ch.kill_at = now + min(delay, kill_after_s)
                     if planned:
                         say(f"{ch.name} exited with code 0 (told to stop, e.g. SIGTERM, after its drain); "
                             f"starting it again (log: {ch.log_path})")  # fmt: skip
                     else:
                         say(f"{ch.name} {how_it_ended(rc)}; restarting it in {delay:g} s "
                             f"({ch.restarts + 1}/{max_restarts}; log: {ch.log_path})")  # fmt: skip
+                if ch.leftovers and now >= ch.kill_at:
+                    # not later: once its last member is gone the group's id is free, and a new
+                    # session could be given it (a killpg at the restart, up to 30 s on, hit that)
+                    signal_members(ch.proc.pid, ch.leftovers, signal.SIGKILL)
+                    ch.leftovers = {}
                 if now >= ch.restart_at:
-                    signal_group(ch, signal.SIGKILL)
                     new = self.respawn(ch)
                     if planned:
                         new.restarts = ch.restarts
@@ -409,13 +421,45 @@ def kill_group(ch: Child) -> None:
 
 
 def signal_group(ch: Child, sig: int) -> bool:
-    """Signal the process group `ch` leads (it, and what it started), even once `ch` itself has
-    exited and been reaped: a group's id is not given to a new process while the group has members.
-    False if that was refused."""
+    """Signal the process group `ch` leads (it, and what it started), while `ch` has not been
+    reaped (its pid, the group's id, is still taken then). False if that was refused. Once it has
+    been reaped, see `signal_members`."""
     try:
         os.killpg(ch.proc.pid, sig)
     except ProcessLookupError:
         pass  # nobody left in it
+    except OSError:
+        return False
+    return True
+
+
+def group_members(pgid: int) -> dict[int, int]:
+    """The processes in process group `pgid` (pid -> start time in clock ticks), from /proc."""
+    members = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return members
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()  # the name before it may hold anything
+        except OSError:
+            continue  # gone meanwhile
+        if len(fields) > 19 and int(fields[2]) == pgid:
+            members[pid] = int(fields[19])
+    return members
+
+
+def signal_members(pgid: int, members: dict[int, int], sig: int) -> bool:
+    """Signal process group `pgid` of a child already reaped, if one of `members` (seen in it
+    before) is still there: a group's id is not given to a new process while it has members, but
+    once they are gone it may be, and a killpg would hit a stranger's group. False if not sent."""
+    current = group_members(pgid)
+    if not any(current.get(pid) == start for pid, start in members.items()):
+        return False
+    try:
+        os.killpg(pgid, sig)
     except OSError:
         return False
     return True
