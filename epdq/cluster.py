@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -57,6 +58,10 @@ class ClusterSpec:
             problem = host_port_problem(value, name) if value else None
             if problem:
                 raise ValueError(problem)
+        if self.http and self.metrics and _same_listener(self.http, self.metrics):
+            # the gateway could not bind, and the broker's /health there passed for the gateway's
+            raise ValueError(f"http and metrics cannot both listen on {self.http} (the gateway and "
+                             f"the broker's metrics endpoint): give them different ports")  # fmt: skip
         if {"broker_address", "host", "port"} & set(self.http_options):
             raise ValueError("http_options cannot set broker_address, host or port (use http=HOST:PORT)")
         if self.http:  # the gateway starts last: a bad option must not wait for every worker to load
@@ -285,20 +290,18 @@ class Cluster:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     async def _wait_http(self, host: str, port: int) -> None:
-        """Until the gateway answers GET /health with 200 (it is 503 until it reaches the broker)."""
+        """Until the gateway answers GET /health with 200 (it is 503 until it reaches the broker)
+        and GET /v1/models with its model list: another server on that port answers /health too
+        (the broker's metrics endpoint did, and `up` said the API was up while the gateway, which
+        could not bind, crash-looped). Raises once a child, the gateway included, has exited."""
         host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
         deadline = time.monotonic() + self.spec.start_timeout_s
         while True:
             self.check_alive()
             try:
-                async with asyncio.timeout(2.0):
-                    reader, writer = await asyncio.open_connection(host, port)
-                    try:
-                        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-                        status = (await reader.readline()).split()
-                    finally:
-                        writer.close()
-                if len(status) >= 2 and status[1] == b"200":
+                if (await _http_get(host, port, "/health"))[0] == 200 and _is_model_list(
+                    *await _http_get(host, port, "/v1/models")
+                ):
                     return
             except (OSError, TimeoutError):
                 pass
@@ -469,6 +472,41 @@ def kill_child(ch: Child) -> None:
     """SIGKILL one child (chaos tests)."""
     os.kill(ch.proc.pid, signal.SIGKILL)
     ch.proc.wait(10)
+
+
+async def _http_get(host: str, port: int, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+    """Status and body of GET `path` (at most 64 KiB read); (0, b"") if that is no HTTP answer."""
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            raw = b""
+            while len(raw) < 1 << 16 and (chunk := await reader.read(1 << 16)):
+                raw += chunk
+        finally:
+            writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    return (int(status[1]) if len(status) >= 2 and status[1].isdigit() else 0), body
+
+
+def _is_model_list(status: int, body: bytes) -> bool:
+    try:
+        return status == 200 and json.loads(body).get("object") == "list"
+    except (ValueError, AttributeError):
+        return False
+
+
+def _same_listener(a: str, b: str) -> bool:
+    """Whether HOST:PORT `a` and `b` would take the same listening socket: the same port on the
+    same host, or on a wildcard address (which takes it on every address)."""
+    (ha, pa), (hb, pb) = _split_host_port(a), _split_host_port(b)
+    if pa != pb:
+        return False
+    loopback = {"localhost": "127.0.0.1", "[::1]": "::1"}
+    ha, hb = (loopback.get(h.lower(), h.lower().strip("[]")) for h in (ha, hb))
+    wildcards = ("0.0.0.0", "::", "*", "")
+    return ha == hb or ha in wildcards or hb in wildcards
 
 
 def _split_host_port(value: str) -> tuple[str, int]:
