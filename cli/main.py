@@ -139,7 +139,8 @@ _FLAGS = {
     "allow_private_urls": "--allow-private-urls",
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
     "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
-    "share_by": "--share-by", "share_connections": "--share-connections",
+    "share_by": "--share-by", "share_connections": "--share-connections", "max_model_len": "--max-model-len",
+    "kv_cache_bytes": "--kv-cache-mb (in bytes)",
 }  # fmt: skip
 
 
@@ -169,6 +170,13 @@ def worker(
         "wildcard bind, the interface that routes to the broker)."
     ),
     threads: int = typer.Option(1, help="Encoder: torch threads for the vision forward."),
+    max_model_len: int = typer.Option(
+        4096, help="PD/both: tokens of one sequence (prompt with its image tokens, and output)."
+    ),
+    kv_cache_mb: int = typer.Option(
+        0, help="PD/both, vLLM engine: KV cache, MiB; 0: 64 MiB on the CPU, vLLM's own sizing on a GPU "
+        "(its gpu_memory_utilization share). One sequence of --max-model-len tokens must fit."
+    ),
     engine: str = typer.Option("auto", help="auto (vision tower / vLLM), hf (transformers PD engine) or noop."),
     heartbeat: float = typer.Option(1.0, help="Heartbeat interval to the broker, seconds."),
     drain_timeout: float = typer.Option(
@@ -189,6 +197,7 @@ def worker(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
             dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, fetch_advertise=fetch_advertise, threads=threads, engine=engine,
             heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure, drain_timeout_s=drain_timeout,
+            max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb * 2**20,
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
         raise typer.BadParameter(_flag_names(str(e))) from None

@@ -25,13 +25,17 @@ from typing import TYPE_CHECKING, Literal
 
 from epdq.engines import rpc_dirs
 from epdq.engines.base import IMAGE_PLACEHOLDER, Delta, SamplingSpec, embed_rows, render_chat_prompt
-from epdq.errors import CancelledError, EngineError, InvalidInputError
+from epdq.errors import CancelledError, ConfigError, EngineError, InvalidInputError
 
 if TYPE_CHECKING:
     import PIL.Image
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# The KV cache of an engine on the CPU when none is asked for: enough for the tiny model's many
+# sequences, little enough for several engines on a small machine (vLLM's own CPU default is
+# VLLM_CPU_KVCACHE_SPACE, gigabytes). On a GPU vLLM sizes it (gpu_memory_utilization).
+CPU_KV_CACHE_BYTES = 64 * 2**20
 # Process-wide defaults vLLM's children inherit; a value the user exported always wins.
 _ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",  # 2 OMP threads on 2 cores made engines 20-30x slower
@@ -50,7 +54,8 @@ class VllmEngineConfig:
     dtype: str = "float32"
     max_model_len: int = 2048
     max_num_seqs: int = 8
-    kv_cache_bytes: int = 64 * 2**20
+    # None: CPU_KV_CACHE_BYTES on the CPU, vLLM's own sizing (gpu_memory_utilization) on a GPU
+    kv_cache_bytes: int | None = None
     max_images_per_prompt: int = 8
 
     def __post_init__(self) -> None:
@@ -60,7 +65,7 @@ class VllmEngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 16 or self.max_num_seqs < 1:
             raise ValueError("max_model_len must be >= 16 and max_num_seqs >= 1")
-        if self.kv_cache_bytes < 2**20:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 2**20:
             raise ValueError("kv_cache_bytes must be at least 1 MiB")
         if not 0 <= self.max_images_per_prompt <= 256:
             raise ValueError("max_images_per_prompt must be in [0, 256]")
@@ -77,7 +82,7 @@ class VllmEngine:
         dtype: str = "float32",
         max_model_len: int = 2048,
         max_num_seqs: int = 8,
-        kv_cache_bytes: int = 64 * 2**20,
+        kv_cache_bytes: int | None = None,
         max_images_per_prompt: int = 8,
     ) -> None:
         self.config = VllmEngineConfig(
@@ -94,6 +99,9 @@ class VllmEngine:
         text_config = getattr(hf_config, "text_config", hf_config)
         self.hidden_size: int = int(text_config.hidden_size)
         self.merge_size: int = int(hf_config.vision_config.spatial_merge_size)
+        self.kv_bytes_per_token = kv_bytes_per_token(text_config, dtype)
+        if kv_cache_bytes is not None:  # before vLLM starts (a minute or more) only to refuse it
+            check_kv_cache(kv_cache_bytes, self.kv_bytes_per_token, max_model_len)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=True)
         self._llm = None
         self._rpc_dir: str | None = None
@@ -138,17 +146,28 @@ class VllmEngine:
 
     def _create(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._check_not_cancelled()  # those imports take seconds; the steps below more
+        args = AsyncEngineArgs(**self.engine_args(on_cpu=current_platform.is_cpu()))
+        with _uni_executor_on_cpu():
+            vllm_config = args.create_engine_config()
+        self._check_not_cancelled()
+        # Stored, not returned: a returned engine stays referenced by the finished futures, and
+        # its __del__ would then run at interpreter exit, when vLLM's modules are gone.
+        self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+
+    def engine_args(self, *, on_cpu: bool) -> dict:
+        """vLLM's AsyncEngineArgs for this engine; ConfigError if its KV cache cannot hold one
+        sequence of max_model_len tokens (vLLM would refuse it only after loading the model)."""
         cfg = self.config
         limit = {"image": 0 if cfg.mode == "pd" else cfg.max_images_per_prompt, "video": 0}
-        args = AsyncEngineArgs(
+        args = dict(
             model=str(self.model_dir),
             dtype=cfg.dtype,
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory_bytes=cfg.kv_cache_bytes,
             limit_mm_per_prompt=limit,
             enable_mm_embeds=cfg.mode == "pd",
             distributed_executor_backend="uni",
@@ -157,12 +176,11 @@ class VllmEngine:
             trust_remote_code=True,
             seed=0,
         )
-        with _uni_executor_on_cpu():
-            vllm_config = args.create_engine_config()
-        self._check_not_cancelled()
-        # Stored, not returned: a returned engine stays referenced by the finished futures, and
-        # its __del__ would then run at interpreter exit, when vLLM's modules are gone.
-        self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+        kv = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else CPU_KV_CACHE_BYTES if on_cpu else None
+        if kv is not None:
+            check_kv_cache(kv, self.kv_bytes_per_token, cfg.max_model_len)
+            args["kv_cache_memory_bytes"] = kv
+        return args
 
     def _check_not_cancelled(self) -> None:
         if self._start_cancelled.is_set():
@@ -360,6 +378,28 @@ class VllmEngine:
             raise InvalidInputError(f"image_embeds must be floating point, got {embeds.dtype}")
         dtype = getattr(torch, self.config.dtype)
         return embeds.to("cpu", dtype).contiguous(), grid.to("cpu", torch.int64).contiguous()
+
+
+def kv_bytes_per_token(text_config, dtype: str) -> int:
+    """KV-cache bytes one token takes in every layer (keys and values), as vLLM sizes them for a
+    Qwen2-VL family model: full attention, the cache in the model's dtype."""
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
+    itemsize = 4 if dtype == "float32" else 2
+    return int(text_config.num_hidden_layers) * 2 * kv_heads * int(head_dim) * itemsize
+
+
+def check_kv_cache(kv_cache_bytes: int, per_token: int, max_model_len: int) -> None:
+    """vLLM refuses to start unless one sequence of max_model_len tokens fits in its KV cache (it
+    also keeps a block back, so this is a lower bound): refuse sooner, saying what would fit."""
+    need = per_token * max_model_len
+    if kv_cache_bytes < need:
+        raise ConfigError(
+            f"a KV cache of {kv_cache_bytes / 2**20:g} MiB cannot hold one sequence of max_model_len="
+            f"{max_model_len} tokens ({per_token} bytes each, at least {-(-need // 2**20)} MiB): give it more "
+            f"(--kv-cache-mb) or lower max_model_len (--max-model-len; {kv_cache_bytes // per_token} tokens fit)"
+        )
 
 
 _env_lock = threading.Lock()

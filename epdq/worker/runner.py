@@ -48,8 +48,10 @@ class WorkerConfig:
     # the broker enforces its --max-image-mb before a job reaches a worker: this is a backstop only
     max_image_bytes: int = MAX_IMAGE_BYTES_LIMIT
     max_image_pixels: int = 40_000_000
-    max_model_len: int = 4096
-    kv_cache_bytes: int = 64 * 2**20
+    max_model_len: int = 4096  # tokens of one sequence, prompt (image tokens included) and output
+    # the vLLM engine's KV cache; 0: 64 MiB on the CPU (the tiny model), vLLM's own sizing on a
+    # GPU (its gpu_memory_utilization share), where a real model needs far more
+    kv_cache_bytes: int = 0
     max_images_per_prompt: int = 8
     heartbeat_s: float = 1.0
     keys_dir: str = ""  # CURVE keys (see epdq.keys); empty = the default directory if it exists
@@ -85,6 +87,13 @@ class WorkerConfig:
             raise ValueError("drain_timeout_s must be in [0, 3600]")
         if not 1 <= self.threads <= 1024:
             raise ValueError("threads must be in [1, 1024]")
+        if not 16 <= self.max_model_len <= 1 << 20:
+            raise ValueError(f"max_model_len must be in [16, {1 << 20}] tokens, got {self.max_model_len}")
+        if self.kv_cache_bytes and not 2**20 <= self.kv_cache_bytes <= 1 << 40:
+            raise ValueError(f"kv_cache_bytes must be 0 (automatic) or 1 MiB..1 TiB, got {self.kv_cache_bytes}")
+        if self.kv_cache_bytes and (self.role == "encoder" or self.engine != "auto"):
+            # only vLLM has a KV cache budget: elsewhere it would be silently ignored
+            raise ValueError("kv_cache_bytes is a setting of the vLLM engine (--role pd or both, --engine auto)")
         if self.fetch_advertise:
             _check_advertise(self.fetch_advertise)
         if (self.fetch_bind or self.fetch_advertise) and self.role != "encoder":
@@ -373,7 +382,7 @@ async def _run_pd(
 
         engine = VllmEngine(
             model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes,
+            max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes or None,
             max_images_per_prompt=cfg.max_images_per_prompt,
         )  # fmt: skip
     if not await _unless_stopped(stop, _started(engine)):
