@@ -26,7 +26,7 @@ from epdq.broker import BrokerConfig
 from epdq.client import AsyncClient
 from epdq.errors import BrokerUnavailableError, ConfigError
 from epdq.keys import ensure_cluster_keys
-from epdq.transport import host_port_problem
+from epdq.transport import host_port_problem, process_endpoint_problem
 from epdq.worker.runner import WorkerConfig
 
 
@@ -53,6 +53,10 @@ class ClusterSpec:
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        # the broker listens here and every worker and client connects here: no wildcard
+        problem = process_endpoint_problem(self.address, connect=True)
+        if problem:
+            raise ValueError(problem)
         for name in ("metrics", "http"):
             value = getattr(self, name)
             problem = host_port_problem(value, name) if value else None

@@ -58,6 +58,16 @@ def endpoint_problem(address: str, *, connect: bool = False) -> str | None:
     return None
 
 
+def process_endpoint_problem(address: str, *, connect: bool) -> str | None:
+    """`endpoint_problem`, for an address other processes use (a worker's broker, an encoder's
+    fetch socket, `epdq up`'s broker): inproc:// reaches only sockets of one process (one ZeroMQ
+    context), where a worker waited for a broker it could never find."""
+    problem = endpoint_problem(address, connect=connect)
+    if problem is None and address.startswith("inproc://"):
+        return f"{address!r} reaches only sockets of the same process: use tcp://HOST:PORT or ipc://PATH"
+    return problem
+
+
 def host_port_problem(value: str, name: str) -> str | None:
     """Why `value` is not HOST:PORT with a port in 1..65535 (an HTTP listener), or None."""
     host, sep, port = value.rpartition(":")

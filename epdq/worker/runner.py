@@ -18,7 +18,7 @@ from epdq import protocol as P
 from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
-from epdq.transport import endpoint_problem, ensure_private_dir
+from epdq.transport import ensure_private_dir, process_endpoint_problem
 from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
 from epdq.worker.link import BrokerLink
 
@@ -68,7 +68,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        problem = endpoint_problem(self.broker) or (endpoint_problem(self.fetch_bind) if self.fetch_bind else None)
+        problem = process_endpoint_problem(self.broker, connect=True) or (
+            process_endpoint_problem(self.fetch_bind, connect=False) if self.fetch_bind else None
+        )
         if problem:
             raise ValueError(problem)
         if self.capacity < 0 or self.capacity > 4096:
