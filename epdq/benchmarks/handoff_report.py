@@ -37,7 +37,13 @@ def summarise(cfg: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             })  # fmt: skip
         ring, copy, st = ms["ring_view"], ms["memcpy"], ms["safetensors"]
         ring_x = percentile(ring, 50) / percentile(copy, 50)
-        st_x = percentile(st, 50) / percentile(ring, 50)
+        # Against the safetensors path, the ring path that also ends with the bytes copied into the
+        # reader's own tensor: the safetensors path's last step is that copy (load_file maps the file
+        # lazily; the copy brings the bytes in, what load_file(device="cuda") does), which the view
+        # leaves to the engine. Divided by the view, the ratio charged one side only for that copy
+        # (9.1x at 32 MiB where both ending in a copy gave 4.7x).
+        ring_copy = ms["ring"]
+        st_x = percentile(st, 50) / percentile(ring_copy, 50)
         targets.append({
             "size_mib": size,
             "ring_over_memcpy": ring_x,
@@ -45,7 +51,8 @@ def summarise(cfg: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             "ring_over_memcpy_paired": percentile([a / b for a, b in zip(ring, copy, strict=True)], 50),
             "ring_target": RING_TARGET, "ring_pass": ring_x <= RING_TARGET,
             "safetensors_over_ring": st_x,
-            "safetensors_over_ring_paired": percentile([a / b for a, b in zip(st, ring, strict=True)], 50),
+            "safetensors_over_ring_paired": percentile([a / b for a, b in zip(st, ring_copy, strict=True)], 50),
+            "safetensors_over_ring_view": percentile(st, 50) / percentile(ring, 50),  # the old, one-sided ratio
             "safetensors_target": SAFETENSORS_TARGET, "safetensors_pass": st_x >= SAFETENSORS_TARGET,
         })  # fmt: skip
     cfg_out = {k: v for k, v in cfg.items() if k not in ("seed",)}
@@ -103,7 +110,7 @@ def render(data: dict[str, Any]) -> str:
                     f"(writer's first call → tensor in the reader's hand)"),
         table(["size", "method", "p50 ms of each part", "page faults writer / reader"], parts_rows,
               title="Where the time goes (p50 of each part; they need not add up to the p50 total)"),
-        table(["size", "ring (view) ÷ memcpy", "target", "", "safetensors ÷ ring (view)", "target", ""], target_rows,
+        table(["size", "ring (view) ÷ memcpy", "target", "", "safetensors ÷ ring (copy out)", "target", ""], target_rows,
               title="Targets (ratios of p50s measured side by side)"),
     ])  # fmt: skip
 

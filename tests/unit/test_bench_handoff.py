@@ -134,3 +134,25 @@ def test_a_target_ratio_is_printed_on_the_side_of_its_mark():
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if "MiB" in line]
     assert rows == [["8 MiB", "1.302×", "≤ 1.3×", "MISS", "4.96×", "≥ 5×", "MISS"],
                     ["32 MiB", "1.06×", "≤ 1.3×", "PASS", "8.4×", "≥ 5×", "PASS"]]  # fmt: skip
+
+
+def test_the_safetensors_path_is_compared_with_the_ring_path_that_also_copies_out():
+    """The safetensors path ends with its bytes copied into the reader's tensor (load_file maps
+    the file lazily; the copy brings them in); the view leaves that copy to the engine. Divided by
+    the view, the ratio charged one side only for it (9.1x where both ending in a copy gave 4.7x)."""
+    from epdq.benchmarks.handoff_report import summarise
+
+    methods = ["memcpy", "ring_view", "ring", "safetensors"]
+    ms = {"memcpy": 1.0, "ring_view": 1.1, "ring": 2.0, "safetensors": 9.0}
+    parts = {"memcpy": ("copy",), "ring_view": ("reserve", "announce", "fill", "wake", "view"),
+             "ring": ("reserve", "announce", "fill", "wake", "read"), "safetensors": ("save", "wake", "load", "copy")}
+    raw = {
+        m: {"0": {"total": [ms[m] * 1e6] * 3, "faults_w": [0] * 3, "faults_r": [0] * 3,
+                  **{p: [0] * 3 for p in parts[m]}}}
+        for m in methods
+    }  # fmt: skip
+    cfg = {"sizes_mib": [1], "rows": [2048], "dtype": "float32", "methods": methods, "repeats": 3}
+    (t,) = summarise(cfg, raw)["targets"]
+    assert t["safetensors_over_ring"] == pytest.approx(4.5) and not t["safetensors_pass"]
+    assert t["safetensors_over_ring_view"] == pytest.approx(9.0 / 1.1)
+    assert t["ring_over_memcpy"] == pytest.approx(1.1)
