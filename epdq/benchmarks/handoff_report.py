@@ -37,13 +37,17 @@ def summarise(cfg: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             })  # fmt: skip
         ring, copy, st = ms["ring_view"], ms["memcpy"], ms["safetensors"]
         ring_x = percentile(ring, 50) / percentile(copy, 50)
-        # Against the safetensors path, the ring path that also ends with the bytes copied into the
-        # reader's own tensor: the safetensors path's last step is that copy (load_file maps the file
-        # lazily; the copy brings the bytes in, what load_file(device="cuda") does), which the view
-        # leaves to the engine. Divided by the view, the ratio charged one side only for that copy
-        # (9.1x at 32 MiB where both ending in a copy gave 4.7x).
+        # The safetensors path against the ring, both ending at the same point. As the issue
+        # defines them: the writer's first call to the tensor in the reader's hand, i.e. the view,
+        # and load_file's tensor (the file mapped lazily: its page faults come later, in whoever
+        # reads it, so this side is undercharged). And both ending with the bytes copied into the
+        # reader's own tensor (the safetensors path's timed copy; the ring's copy-out path). The
+        # ratio used to divide safetensors *with* its copy by the view *without* one: 9.1x at 32 MiB
+        # on the committed run, where these give 7.0x and 4.7x (an audit).
+        st_load = [t - c / 1e6 for t, c in zip(st, raw["safetensors"][str(si)]["copy"], strict=True)]
         ring_copy = ms["ring"]
-        st_x = percentile(st, 50) / percentile(ring_copy, 50)
+        st_x = percentile(st_load, 50) / percentile(ring, 50)
+        st_copy_x = percentile(st, 50) / percentile(ring_copy, 50)
         targets.append({
             "size_mib": size,
             "ring_over_memcpy": ring_x,
@@ -51,16 +55,17 @@ def summarise(cfg: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             "ring_over_memcpy_paired": percentile([a / b for a, b in zip(ring, copy, strict=True)], 50),
             "ring_target": RING_TARGET, "ring_pass": ring_x <= RING_TARGET,
             "safetensors_over_ring": st_x,
-            "safetensors_over_ring_paired": percentile([a / b for a, b in zip(st, ring_copy, strict=True)], 50),
-            "safetensors_over_ring_view": percentile(st, 50) / percentile(ring, 50),  # the old, one-sided ratio
+            "safetensors_over_ring_paired": percentile([a / b for a, b in zip(st_load, ring, strict=True)], 50),
             "safetensors_target": SAFETENSORS_TARGET, "safetensors_pass": st_x >= SAFETENSORS_TARGET,
+            "safetensors_copy_over_ring_copy": st_copy_x,
+            "safetensors_copy_pass": st_copy_x >= SAFETENSORS_TARGET,
         })  # fmt: skip
     cfg_out = {k: v for k, v in cfg.items() if k not in ("seed",)}
     return {
         "config": cfg_out,
         "results": results,
         "targets": targets,
-        "all_targets_met": all(t["ring_pass"] and t["safetensors_pass"] for t in targets),
+        "all_targets_met": all(t["ring_pass"] and t["safetensors_pass"] and t["safetensors_copy_pass"] for t in targets),
     }
 
 
@@ -98,8 +103,9 @@ def render(data: dict[str, Any]) -> str:
             f"≤ {t['ring_target']:g}×",
             "PASS" if t["ring_pass"] else "MISS",
             f"{vs_target(t['safetensors_over_ring'], t['safetensors_target'], at_most=False, digits=1)}×",
-            f"≥ {t['safetensors_target']:g}×",
             "PASS" if t["safetensors_pass"] else "MISS",
+            f"{vs_target(t['safetensors_copy_over_ring_copy'], t['safetensors_target'], at_most=False, digits=1)}×",
+            "PASS" if t["safetensors_copy_pass"] else "MISS",
         )  # fmt: skip
         for t in data["targets"]
     ]
@@ -110,8 +116,11 @@ def render(data: dict[str, Any]) -> str:
                     f"(writer's first call → tensor in the reader's hand)"),
         table(["size", "method", "p50 ms of each part", "page faults writer / reader"], parts_rows,
               title="Where the time goes (p50 of each part; they need not add up to the p50 total)"),
-        table(["size", "ring (view) ÷ memcpy", "target", "", "safetensors ÷ ring (copy out)", "target", ""], target_rows,
-              title="Targets (ratios of p50s measured side by side)"),
+        table(["size", "ring (view) ÷ memcpy", "target", "", "safetensors ÷ ring, to the tensor in hand", "",
+               "the same, both ending in a copy", ""], target_rows,
+              title=f"Targets (ratios of p50s measured side by side; safetensors ≥ {SAFETENSORS_TARGET:g}×: to the tensor "
+                    "in hand is load_file's lazily mapped tensor against the view, both ending in a copy is safetensors "
+                    "with its copy against the ring's copy-out)"),
     ])  # fmt: skip
 
 
