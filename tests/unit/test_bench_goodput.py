@@ -1,6 +1,7 @@
 """The goodput benchmark's cost-model kind at a tiny size: JSON keys and the plot exist (no timing checks)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -242,3 +243,46 @@ def test_a_ratio_over_a_side_that_met_no_load_names_that_side():
     assert goodput_report._x(math.nan) == goodput_report._x(None) == "n/a (no load met the SLOs)"
     row = {"ratio": math.inf, "epd_goodput": 3.0, "colocated_goodput": 0.0}
     assert goodput_report._ratio_label(row) == "n/a (colocated met the SLOs at no offered load)"
+
+
+def test_a_load_above_capacity_never_meets_the_slos():
+    # 8.0 req/s against 7.978 for one encoder met the SLOs in a 120 s window for one arrival seed
+    from epdq.benchmarks.costmodel import capacity_rps
+
+    cm, wl = CostModel(), Workload(output_tokens=3)
+    cap = capacity_rps("epd", cm, wl, pds=3)
+    per_image = cm.enc_call_s / 8 + cm.enc_image_s + cm.enc_s_per_mpx * 512 * 512 / 1e6
+    assert cap == pytest.approx(1 / (4 * per_image))  # the encoder, batching 8 images, is the limit
+    assert capacity_rps("epd", cm, replace(wl, repeat_fraction=0.5)) == pytest.approx(2 * cap)
+    assert capacity_rps("epd", cm, replace(wl, repeat_fraction=0.5), unique_keys=True) == pytest.approx(cap)
+    over = simulate_point("epd", cm, wl, round(cap * 1.05, 3), 6, ttft_slo=1e6, tpot_slo=1e6)
+    assert over.completed == 6 and not over.meets_slo and over.capacity_rps == cap  # a short window kept up
+    assert simulate_point("epd", cm, wl, round(cap * 0.5, 3), 6, ttft_slo=1e6, tpot_slo=1e6).meets_slo
+
+
+def test_the_ratio_is_the_median_over_arrival_seeds_and_repeatable(tmp_path, capsys):
+    kw = dict(qps_grid=[1.0, 3.0, 6.0, 9.0], window_s=4.0, min_requests=8, refine=1, sensitivity=[1.5],
+              topologies=[1], output_tokens=8, seeds=3)  # fmt: skip
+    res = goodput.run_cost(**kw)
+    for row in res["topology"]:
+        assert row["seeds"] == [0, 1, 2] and len(row["ratio_seeds"]) == 3
+        assert row["ratio"] == sorted(row["ratio_seeds"])[1] == row["ratio_seeds"][row["median_seed"]]
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    main = next(r for r in res["topology"] if r["n_pd"] == 3)
+    assert res["epd_over_colocated_4img"] == main["ratio"] and res["epd_over_colocated_4img_min"] == main["ratio_min"]
+    assert res["summary"]["epd_4img"]["goodput_rps"] == main["epd_goodput"]
+    assert goodput.run_cost(**kw)["topology"] == res["topology"]  # deterministic for given seeds
+    assert goodput.run_cost(**kw | {"seed": 1})["topology"][0]["seeds"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="arrival seeds"):
+        goodput.run_cost(**kw | {"seeds": 0})
+    goodput.print_seeds(res)
+    assert "over arrival seeds 0, 1, 2" in capsys.readouterr().out
+
+
+def test_seeds_is_a_cost_model_option(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        goodput.main(["--real", "--seeds", "2", "--out", str(tmp_path / "r")])
+    assert "--seeds applies to the cost model only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        goodput.main(["--seeds", "0", "--out", str(tmp_path / "c")])
+    assert "arrival seeds must be 1..50" in capsys.readouterr().err

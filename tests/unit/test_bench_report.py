@@ -43,7 +43,8 @@ def test_the_goodput_bar_ends_where_its_count_ends(monkeypatch):
     grid = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]  # the EPD sweeps pass most of it, then bisect
     goodput.run_cost(qps_grid=grid, window_s=10.0, min_requests=20, refine=2, sensitivity=[1.5, 3.0], topologies=[1])
     (bar,) = bars
-    sweeps = 5 + 2 * 2 + 2 * 1  # the main five, 2 slacks x 2 systems, 1 topology x 2 systems
+    # the 3 repeated-image sweeps, 2 slacks x 2 systems, and N = 1 and the main N = 3 x 2 systems x 3 arrival seeds
+    sweeps = 3 + 2 * 2 + 2 * 2 * goodput.DEFAULT_SEEDS
     assert bar.total == sweeps * (len(grid) + 2) and bar.done == bar.total
     text = out.getvalue()
     counts = [int(part.split("] ")[1].split("/")[0]) for part in text.split("\r") if "] " in part]
