@@ -147,19 +147,61 @@ def _control(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def _goodput(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    topo = [t for t in data["topology"] if _num(t["ratio"])]
-    out = []
-    if topo:
-        best = max(topo, key=lambda t: t["ratio"])
-        out.append((
-            "EPD ÷ colocated goodput, 4 images, cost model (best N)", f"≥ {GOODPUT_TARGET:g}×",
-            f"{_vs(best['ratio'], GOODPUT_TARGET, at_most=False, digits=2)} ({best['epd']} vs {best['colocated']})", _judge(best["ratio"] >= GOODPUT_TARGET),
-        ))  # fmt: skip
+    """The target is judged at the benchmark's own scenario (--pd, 1E+3PD vs 4 by default): the
+    best N of the topology table, picked after the fact, was judged before (2.72× at N = 2 passed
+    while the scenario run missed). The best N is shown, naming N. A ratio with a side at the top
+    of the load grid (`saturated_grid`) is a bound: judged only where the bound decides."""
     systems = data["systems"]
-    out.append((f"the same at the run's N ({systems['epd']} vs {systems['colocated']})", "shown",
-                _x(data["epd_over_colocated_4img"]), "shown"))  # fmt: skip
+    images = data["workload"]["images_per_request"]
+    topo = [t for t in data.get("topology") or [] if isinstance(t, dict)]
+    main = next((t for t in topo if t["epd"] == systems["epd"]), None)
+    if main is None:  # --topologies none: the scenario's figures are in "summary"
+        s = data["summary"]
+        main = {"epd": systems["epd"], "colocated": systems["colocated"], "ratio": data["epd_over_colocated_4img"],
+                "epd_saturated_grid": s["epd_4img"].get("saturated_grid"),
+                "colocated_saturated_grid": s["colocated_4img"].get("saturated_grid")}  # fmt: skip
+    seeds = data.get("seeds")
+    over = f"median of {len(seeds)} arrival seeds" if isinstance(seeds, list) and len(seeds) > 1 else "one arrival seed"
+    judged = images == 4  # the target is set for 4 images per request
+    figure, ok = _bounded(main, GOODPUT_TARGET)
+    out = [(f"EPD ÷ colocated goodput, {images} images, cost model: {_short(main)} ({over})",
+            f"≥ {GOODPUT_TARGET:g}×" if judged else "shown", figure + _spread(main),
+            _judge(ok) if judged else "shown")]  # fmt: skip
+    others = [t for t in topo if t is not main and _num(t["ratio"])]
+    if others:
+        best = max([main, *others], key=lambda t: t["ratio"] if _num(t["ratio"]) else -1.0)
+        out.append((f"the same, best N of the topology table: {_short(best)}", "shown",
+                    _bounded(best, GOODPUT_TARGET)[0] + _spread(best), "shown"))  # fmt: skip
     out.append(("cache gain, repeated images", "shown", _x(data["cache_gain"]), "shown"))
     return out
+
+
+def _short(t: dict[str, Any]) -> str:
+    """'1 encoder + 3 PD' vs '4 colocated' as '1E+3PD vs 4'."""
+    epd = str(t["epd"]).replace(" encoder + ", "E+").replace(" PD", "PD")
+    return f"{epd} vs {str(t['colocated']).removesuffix(' colocated')}"
+
+
+def _bounded(t: dict[str, Any], target: float) -> tuple[str, bool | None]:
+    """A topology row's ratio as text and whether it meets `target` (False where it cannot be
+    told). EPD at the top of the grid: its goodput, so the ratio, is at least the figure; the
+    colocated side: at most; both: unknown."""
+    r = t["ratio"]
+    lo, hi = bool(t.get("epd_saturated_grid")), bool(t.get("colocated_saturated_grid"))
+    if not _num(r):
+        return "n/a", False
+    if lo and hi:
+        return f"unknown (both sides met every load; {r:.2f}× at the grid's top)", False
+    if lo:
+        return f"≥ {_vs(r, target, at_most=False, digits=2)}", r >= target
+    if hi:
+        return f"≤ {_vs(r, target, at_most=False, digits=2)}", False
+    return _vs(r, target, at_most=False, digits=2), r >= target
+
+
+def _spread(t: dict[str, Any]) -> str:
+    lo, hi = t.get("ratio_min"), t.get("ratio_max")
+    return f" (seeds {lo:.2f}–{hi:.2f}×)" if _num(lo) and _num(hi) and len(t.get("ratio_seeds") or []) > 1 else ""
 
 
 def _goodput_real(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:

@@ -38,7 +38,8 @@ def test_the_committed_results_of_every_benchmark_are_read(tmp_path, capsys):
     assert rows["ring (view) ÷ one memcpy, 32 MiB"][2] == "≤ 1.3×"
     assert rows["safetensors path ÷ ring (copy out), 8 MiB"][4] in ("PASS", "MISS")
     assert rows["epdq miss req/s at 32"][3].endswith(" req/s")
-    assert rows["EPD ÷ colocated goodput, 4 images, cost model (best N)"][2] == "≥ 2×"
+    assert rows["EPD ÷ colocated goodput, 4 images, cost model: 1E+3PD vs 4 (one arrival seed)"][2] == "≥ 2×"
+    assert rows["the same, best N of the topology table: 1E+2PD vs 3"][2:5:2] == ["shown", "shown"]
     assert rows["cache gain, repeated images"][4] == "shown"
     assert "real tiny model" in next(t for t in rows if t.startswith("EPD ÷ colocated goodput, real"))
     assert any(t.startswith("time per dispatch decision") for t in rows)
@@ -93,6 +94,37 @@ def test_a_judged_figure_is_printed_on_the_side_of_its_target_that_its_mark_says
     assert rows[f"safetensors path ÷ ring (copy out), {size}"][3:5] == ["4.96×", "MISS"]
     assert rows["epdq hit req/s at 32"][3:5] == ["9,999.7 req/s", "MISS"]
     assert rows["hit p50 latency vs http-vllm at 1"][3:5] == ["0.334", "MISS"]
+
+
+def _goodput(main: tuple[float, bool, bool], best: float) -> dict:
+    def row(n: int, ratio: float, lo: bool = False, hi: bool = False) -> dict:
+        return {"n_pd": n, "epd": f"1 encoder + {n} PD", "colocated": f"{n + 1} colocated", "ratio": ratio,
+                "epd_saturated_grid": lo, "colocated_saturated_grid": hi, "ratio_min": ratio - 0.3,
+                "ratio_max": ratio + 0.1, "ratio_seeds": [ratio - 0.3, ratio, ratio + 0.1]}  # fmt: skip
+
+    return {"benchmark": "goodput", "kind": "cost", "systems": {"epd": "1 encoder + 3 PD", "colocated": "4 colocated"},
+            "workload": {"images_per_request": 4}, "seeds": [0, 1, 2], "cache_gain": 1.5,
+            "topology": [row(2, best), row(3, *main)], "environment": {}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("main", "figure", "result"),
+    [
+        ((1.88, False, False), "1.88× (seeds 1.58–1.98×)", "MISS"),  # a better N elsewhere does not make it pass
+        ((2.1, False, False), "2.10× (seeds 1.80–2.20×)", "PASS"),
+        ((2.1, True, False), "≥ 2.10× (seeds 1.80–2.20×)", "PASS"),  # a lower bound above the target decides
+        ((1.9, True, False), "≥ 1.90× (seeds 1.60–2.00×)", "MISS"),  # it cannot tell: not a pass
+        ((2.5, False, True), "≤ 2.50× (seeds 2.20–2.60×)", "MISS"),
+    ],
+)
+def test_goodput_is_judged_at_the_runs_own_topology_and_bounds_are_marked(tmp_path, capsys, main, figure, result):
+    (tmp_path / "goodput.json").write_text(json.dumps(_goodput(main, best=2.72)))
+    assert summary.main([str(tmp_path)]) == 0
+    rows = _rows(capsys)
+    assert rows["EPD ÷ colocated goodput, 4 images, cost model: 1E+3PD vs 4 (median of 3 arrival seeds)"][3:5] == [
+        figure, result]
+    best = rows["the same, best N of the topology table: 1E+2PD vs 3"]
+    assert best[3:5] == ["2.72× (seeds 2.42–2.82×)", "shown"]
 
 
 @pytest.mark.parametrize(
