@@ -1,7 +1,8 @@
 """Which device a worker computes on, which embedding ring it writes, and which dtype it uses.
 
-Pure checks on strings; torch is imported only when a CUDA device is asked for, so CPU workers
-(and processes that only build configs, such as `epdq up`) behave exactly as before.
+Pure checks on strings; torch is imported only when a CUDA device is asked for, or when a vLLM
+engine is about to start (`resolve_vllm_dtype`), so CPU workers (and processes that only build
+configs, such as `epdq up`) behave exactly as before.
 """
 
 from __future__ import annotations
@@ -66,3 +67,24 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if parse_device(device).startswith("cuda") else "float32"
     return dtype
+
+
+def cuda_visible() -> bool:
+    """Whether this process sees a CUDA device. torch counts them through NVML where it can,
+    without initialising CUDA here: a vLLM engine started after this may still fork its processes
+    (after a CUDA runtime call, CUDA would fail in them)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.device_count() > 0
+
+
+def resolve_vllm_dtype(dtype: str, device: str) -> str:
+    """The dtype of a vLLM engine. vLLM picks its platform itself: `cuda:N` only pins it to one
+    GPU, and on `cpu` (the --device default, which places the vision tower and the hf engine) it
+    still runs on a GPU whenever this machine has one. So 'auto' follows where vLLM will run:
+    bfloat16 on a GPU, as documented, not float32 from the --device default."""
+    if dtype == "auto" and parse_device(device) == "cpu" and cuda_visible():
+        return resolve_dtype(dtype, "cuda:0")
+    return resolve_dtype(dtype, device)

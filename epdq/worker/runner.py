@@ -19,7 +19,7 @@ from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
 from epdq.transport import ensure_private_dir, process_endpoint_problem
-from epdq.worker.devices import check_device, resolve_dtype, resolve_ring
+from epdq.worker.devices import check_device, resolve_dtype, resolve_ring, resolve_vllm_dtype
 from epdq.worker.link import BrokerLink
 
 log = logging.getLogger("epdq.worker")
@@ -37,7 +37,8 @@ class WorkerConfig:
     worker_id: str = ""
     capacity: int = 0  # jobs held at once (0 = role default)
     ring_bytes: int = 256 * 2**20
-    dtype: str = "auto"  # auto: bfloat16 on a CUDA device, float32 on the CPU
+    # auto: bfloat16 on a CUDA device, float32 on the CPU; for vLLM, wherever vLLM will run
+    dtype: str = "auto"
     device: str = "cpu"  # cpu, cuda or cuda:N: where the vision tower / the hf PD engine run
     ring: str = "auto"  # encoder ring: auto (cuda on a CUDA device, else shm), shm or cuda
     fetch_bind: str = ""  # where an encoder serves ring bytes to other nodes ("" = see fetch_endpoint)
@@ -104,7 +105,12 @@ class WorkerConfig:
         # device first: the ring and dtype defaults depend on it; a missing GPU fails here, at start-up
         self.device = check_device(self.device)
         self.ring = resolve_ring(self.ring, self.device)
-        self.dtype = resolve_dtype(self.dtype, self.device)
+        # vLLM finds a GPU by itself whatever --device says: its 'auto' is resolved when the engine
+        # starts (resolve_vllm_dtype), not as float32 from the device default; so a config built
+        # elsewhere (`epdq up`) carries 'auto' on to the worker, and needs no torch to do so
+        vllm_on_default_device = self.role != "encoder" and self.engine == "auto" and self.device == "cpu"
+        if self.dtype != "auto" or not vllm_on_default_device:
+            self.dtype = resolve_dtype(self.dtype, self.device)
         self.node = self.node or socket.gethostname()
         if len(self.node) > 128:  # the broker refuses longer ones
             raise ValueError("node must be at most 128 characters")
@@ -381,9 +387,10 @@ async def _run_pd(
         from epdq.engines.vllm_engine import VllmEngine
 
         _vllm_device(cfg.device)
-
+        dtype = resolve_vllm_dtype(cfg.dtype, cfg.device)
+        log.info("vLLM engine in %s (--dtype %s)", dtype, cfg.dtype)
         engine = VllmEngine(
-            model, mode="both" if colocated else "pd", dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            model, mode="both" if colocated else "pd", dtype=dtype, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.capacity, kv_cache_bytes=cfg.kv_cache_bytes or None,
             max_images_per_prompt=cfg.max_images_per_prompt,
         )  # fmt: skip
