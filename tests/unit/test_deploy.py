@@ -585,7 +585,73 @@ def test_compose_gpu_override_targets_pd():
     gpu = _load(DEPLOY / "compose.gpu.yaml")["services"]
     assert set(gpu) == {"pd"} and set(gpu) <= set(_load(DEPLOY / "compose.yaml")["services"])
     devices = gpu["pd"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
+
+
+def _gpu_pd(params: dict) -> None:
+    """A PD worker on a GPU: vLLM, on the GPU named explicitly (not left to --device's cpu default)."""
+    assert params["role"] == "pd" and params["engine"] == "auto" and params["device"] == "cuda:0"
+    assert params["dtype"] == "auto"  # bf16 there (epdq.worker.devices.resolve_dtype)
+
+
+def test_compose_gpu_override_runs_vllm_on_the_gpu():
+    # the PD worker ran vLLM without --device: 'auto' dtype came from the cpu default, float32
+    argv = compose_invocations(DEPLOY / "compose.gpu.yaml")["pd"]
+    _gpu_pd(parse_epdq(argv))
+    # Compose replaces the whole list: the override must be compose.yaml's command otherwise
+    base = compose_invocations()["pd"]
+    assert _options(argv) == _options(base) | {"--engine": "auto", "--device": "cuda:0"}
+    assert argv[:3] == base[:3]
+
+
+def test_systemd_pd_unit_names_its_device():
+    sections = parse_unit((SYSTEMD / "epdq-pd@.service").read_text())
+    env = _unit_env(sections)
+    assert env["CUDA_VISIBLE_DEVICES"] == "%i" and env["EPDQ_PD_DEVICE"] == "cpu"  # starts on CPU-only hosts
+    argv = unit_invocation(sections)
+    assert _options(argv)["--device"] == "cpu"
+    # what deploy/README.md tells a GPU host to set: the one GPU the instance sees
+    gpu_argv = list(argv)
+    gpu_argv[argv.index("--device") + 1] = "cuda:0"
+    _gpu_pd(parse_epdq(gpu_argv))
+    assert "`EPDQ_PD_DEVICE=cuda:0`" in (DEPLOY / "README.md").read_text()
+
+
+_LONG_RUNNING = {"broker", "encoder", "pd", "gateway"}
+
+
+def test_every_long_running_service_logs_json():
+    """A JSON log pipeline must not get one service's lines as text (the gateway's were)."""
+    argvs = {f"compose:{k}": v for k, v in compose_invocations().items() if k in _LONG_RUNNING}
+    argvs |= {f"compose.gpu:{k}": v for k, v in compose_invocations(DEPLOY / "compose.gpu.yaml").items()}
+    argvs |= {f"k8s:{k}": v for k, v in k8s_invocations().items()}
+    argvs |= {f"systemd:{u}": unit_invocation(parse_unit((SYSTEMD / u).read_text())) for u in UNITS}
+    assert len(argvs) == 4 + 1 + 4 + 4
+    for key, argv in argvs.items():
+        assert parse_epdq(argv)["log_format"] == "json", key
+
+
+def _seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+)(s|m)?", str(value))
+    assert m, value
+    return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
+
+
+def test_stop_windows_outlast_the_graceful_shutdowns():
+    """SIGTERM: the gateway lets open streams finish for GRACEFUL_SHUTDOWN_S (30 s), the broker and
+    workers drain for --drain-timeout (30 s). The supervisor's window was shorter for the gateway
+    (Docker 10 s, systemd 20 s, Kubernetes' default 30 s): it was killed mid-stream."""
+    from epdq.gateway import GRACEFUL_SHUTDOWN_S
+
+    longest = max(GRACEFUL_SHUTDOWN_S, 30.0) + 10  # room to start the stop and to exit
+    services = _load(DEPLOY / "compose.yaml")["services"]
+    for name in _LONG_RUNNING:
+        assert _seconds(services[name]["stop_grace_period"]) >= longest, f"compose {name}"
+    for unit in UNITS:
+        service = dict(parse_unit((SYSTEMD / unit).read_text())["Service"])
+        assert _seconds(service["TimeoutStopSec"]) >= longest, unit
+    for name in ("epdq-broker", "epdq-worker", "epdq-gateway"):
+        assert _pod(name)["terminationGracePeriodSeconds"] >= longest, name
 
 
 # ================================================================== tests: wiring (Kubernetes)
@@ -767,17 +833,37 @@ def test_k8s_security_and_resources(deployment: str):
             assert _mount(c, "/tmp")  # a writable /tmp (HOME) beside the read-only root
 
 
+def _json_patch(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 add/replace, as kustomize applies them (enough for the README's patch)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] in ("add", "replace"), op
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target = doc
+        for p in parents:
+            target = target[int(p)] if isinstance(target, list) else target[p]
+        if isinstance(target, list):
+            if last == "-":
+                target.append(op["value"])
+            elif op["op"] == "add":
+                target.insert(int(last), op["value"])
+            else:
+                target[int(last)] = op["value"]
+        else:
+            assert op["op"] == "add" or last in target, op
+            target[last] = op["value"]
+    return doc
+
+
 def test_readme_gpu_patch_points_at_pd_engine():
     readme = (DEPLOY / "README.md").read_text()
     (block,) = re.findall(r"```yaml\n(.*?)```", readme, re.S)
     ops = yaml.safe_load(block)
-    pod = _pod("epdq-worker")
     for op in ops:
         m = re.fullmatch(r"/spec/template/spec/containers/(\d+)/(.*)", op["path"])
-        container = pod["containers"][int(m.group(1))]
-        assert container["name"] == "pd"
-        arg = re.fullmatch(r"args/(\d+)", m.group(2))
-        if arg:
-            assert container["args"][int(arg.group(1)) - 1] == "--engine" and op["value"] in ("auto", "hf")
-        else:
-            assert m.group(2).startswith("resources/limits/")
+        assert _pod("epdq-worker")["containers"][int(m.group(1))]["name"] == "pd"
+        assert m.group(2) == "args/8" or m.group(2) in ("args/-", "resources/limits/nvidia.com~1gpu"), op
+    patched = _json_patch(_find("Deployment", "epdq-worker"), ops)
+    pd = _container(patched["spec"]["template"]["spec"], "pd")
+    _gpu_pd(parse_epdq(pd["args"]))
+    assert pd["resources"]["limits"]["nvidia.com/gpu"] == 1
