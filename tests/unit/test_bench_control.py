@@ -29,7 +29,7 @@ def test_control_benchmark_small(tmp_path, capsys):
         for wl in ("miss", "hit", "text"):
             assert ("epdq", wl, c) in cells
         for system in ("http-vllm", "http-keepalive"):
-            for wl in ("image", "text"):
+            for wl in ("image", "image-repeat", "text"):
                 assert (system, wl, c) in cells
     assert saved["config"]["rounds"] == 4
     for r in saved["results"]:
@@ -44,6 +44,7 @@ def test_control_benchmark_small(tmp_path, capsys):
         assert all(v >= 0 for v in cpu.values()) and cpu["total"] == pytest.approx(sum(cpu[k] for k in roles | {"client"}))
     assert "CPU per request" in out
     assert len(saved["ratios"]) == 2 * 3 * 2  # 2 concurrencies x 3 epdq workloads x 2 baselines
+    assert {x["baseline_workload"] for x in saved["ratios"] if x["workload"] == "hit"} == {"image-repeat"}
     by = {(r["system"], r["workload"], r["concurrency"]): r for r in saved["results"]}
     for x in saved["ratios"]:
         mine = by[("epdq", x["workload"], x["concurrency"])]["round_rps"]
@@ -113,8 +114,11 @@ def test_rounds_split_the_requests_and_rotate_the_systems():
     assert firsts == systems  # each goes first once in three rounds
     assert all(sorted(control._turns(systems, k)) == sorted(systems) for k in range(7))
     cells = control._cells([1, 32], http=True)
-    assert [(c, [s for s, _ in systems]) for c, systems in cells][:3] == [
-        (1, ["epdq", "http-vllm", "http-keepalive"]), (1, ["epdq"]), (1, ["epdq", "http-vllm", "http-keepalive"])
+    # the hit cell runs the proxy too, on the repeated image: its ratios compare runs of one round
+    assert [(c, systems) for c, systems in cells][:3] == [
+        (1, [("epdq", "miss"), ("http-vllm", "image"), ("http-keepalive", "image")]),
+        (1, [("epdq", "hit"), ("http-vllm", "image-repeat"), ("http-keepalive", "image-repeat")]),
+        (1, [("epdq", "text"), ("http-vllm", "text"), ("http-keepalive", "text")]),
     ]
     assert all(len(systems) == 1 for _, systems in control._cells([1], http=False))
 
