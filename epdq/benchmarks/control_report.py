@@ -35,10 +35,9 @@ def print_tables(results: list[dict], ratios: list[dict], targets: list[dict], r
     print(table(["system", "workload", "concurrency", "router (broker / proxy)", "encoder", "PD", "client", "all",
                  "cores busy"], [_cpu_row(r) for r in results],
                 title="CPU per request, µs (user + system, all threads; 'cores busy' = all × req/s)"))  # fmt: skip
-    tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / requests  # /proc counts CPU time in clock ticks
-    if tick_us >= 5:
-        print(f"(with {requests:,} requests per phase, CPU figures come in steps of {tick_us:,.0f} µs: "
-              f"/proc counts in {1e3 / os.sysconf('SC_CLK_TCK'):g} ms ticks; use --requests 2000 or more)")  # fmt: skip
+    note = cpu_resolution_note(requests, max((int(r.get("rounds") or 1) for r in results), default=1))
+    if note:
+        print(note)
     if ratios:
         print(table(
             ["epdq workload", "vs", "concurrency", "throughput ×", "rounds: min–max ×", "p50 ratio", "p99 ratio",
@@ -54,6 +53,22 @@ def print_tables(results: list[dict], ratios: list[dict], targets: list[dict], r
     print(table(["target", "value", "goal", "result"],
                 [[t["target"], vs_target(t["value"], t["limit"], at_most=t["at_most"]), t["goal"], _pf(t["pass"])]
                  for t in targets], title="Targets"))  # fmt: skip
+
+
+def cpu_resolution_note(requests: int, rounds: int) -> str:
+    """How far off a CPU-per-request figure can be. /proc counts CPU time in clock ticks and each
+    round reads it before and after its phase, so every round's delta of every process is off by
+    up to about a tick: `rounds` ticks over the phase's requests, per process (the 'all' column
+    sums several). Per request that was given as one tick over the requests, `rounds` times too small."""
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    err_us = rounds * tick_s * 1e6 / requests
+    if err_us < 1:
+        return ""
+    need = math.ceil(rounds * tick_s * 1e6 / 5)
+    more = f"; use --requests {need:,} or more for 5 µs" if err_us > 5 else ""
+    return (f"(CPU figures are uncertain by up to ~{err_us:,.1f} µs per process and request: {rounds} rounds, each "
+            f"reading /proc, which counts in {tick_s * 1e3:g} ms ticks, before and after its phase, over "
+            f"{requests:,} requests{more})")
 
 
 def _cpu_row(r: dict) -> list[Any]:

@@ -154,3 +154,14 @@ def test_figures_beside_pass_and_miss_follow_their_marks(capsys):
     ratio_row = next(line for line in out.splitlines() if "http-vllm/text" in line)
     cells = [c.strip() for c in ratio_row.split("|")[1:-1]]
     assert cells[3] == "4.996" and cells[5] == "0.3334" and cells[7:10] == ["MISS", "MISS", "MISS"]
+
+
+def test_the_cpu_resolution_counts_a_tick_per_round():
+    # each round reads /proc before and after: the error is rounds ticks, not one, over the requests
+    import os
+
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
+    note = control_report.cpu_resolution_note(2000, 4)
+    assert f"~{4 * tick_us / 2000:,.1f} µs per process and request" in note and "4 rounds" in note
+    assert f"--requests {int(4 * tick_us / 5):,} or more" in note
+    assert control_report.cpu_resolution_note(10**9, 4) == ""
