@@ -183,9 +183,17 @@ async def measure_point(
 async def _point(c, cfg: RealConfig, route: str, qps: float, rng: random.Random, imgs: list) -> dict[str, Any]:
     p, results = await measure_point(c, route, qps, imgs, rng, max_tokens=cfg.max_tokens,
                                      ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s)  # fmt: skip
-    p["goodput_rps"] = qps * p["within_slo"] / p["requests"]
+    p["goodput_rps"] = goodput_rps(p)
     p["first_error"] = next((f"{type(r).__name__}: {r}" for r in results if isinstance(r, Exception)), None)
     return p
+
+
+def goodput_rps(p: dict[str, Any]) -> float:
+    """A load point's goodput: the offered load times the share of its requests finished within
+    both SLOs, as the cost model's (`costmodel.simulate_point`). The one definition for
+    `goodput_rps` in every result: within-SLO requests over the wall time (gpu_check's) counts
+    the drain after the last arrival, so it fell with the run's tail, not the system's rate."""
+    return p["offered_qps"] * p["within_slo"] / p["requests"] if p["requests"] else 0.0
 
 
 SATURATED_NOTE = ("≥: met the SLOs at every offered load up to the highest: a lower bound, not a measured "

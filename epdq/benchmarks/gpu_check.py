@@ -38,7 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from epdq.benchmarks.goodput_real import measure_point
+from epdq.benchmarks.goodput_real import goodput_rps, measure_point
 from epdq.benchmarks.report import environment, table
 
 TTFT_SLO_S = 20.0  # vLLM's disaggregated-encoder evaluation (4B model): P99 TTFT <= 20 s
@@ -209,7 +209,7 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
                 elapsed = p["elapsed_s"]
                 p["errors"] = [str(r)[:200] for r in results if isinstance(r, Exception)]
                 p["throughput_rps"] = p["completed"] / elapsed if elapsed > 0 else 0.0
-                p["goodput_rps"] = p["within_slo"] / elapsed if elapsed > 0 else 0.0
+                p["goodput_rps"] = goodput_rps(p)
                 points.append(p)
                 chk.say(f"goodput {route} at {qps} QPS: {p['completed']}/{len(reqs)} done, TTFT p50 {p['ttft_p50']:.3f} s")
     rows = [(p["route"], p["offered_qps"], f"{p['completed']}/{p['requests']}", p["ttft_p50"], p["ttft_p99"],

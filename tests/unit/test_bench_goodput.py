@@ -1,7 +1,7 @@
 """The goodput benchmark's cost-model kind at a tiny size: JSON keys and the plot exist (no timing checks)."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -286,3 +286,17 @@ def test_seeds_is_a_cost_model_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         goodput.main(["--seeds", "0", "--out", str(tmp_path / "c")])
     assert "arrival seeds must be 1..50" in capsys.readouterr().err
+
+
+def test_goodput_rps_has_one_definition_in_every_kind():
+    # gpu_check divided the within-SLO requests by the wall time, drain included, under the same key
+    from epdq.benchmarks import goodput_real, gpu_check
+
+    p = {"offered_qps": 4.0, "requests": 20, "within_slo": 15, "elapsed_s": 9.0}
+    assert goodput_real.goodput_rps(p) == 3.0 and gpu_check.goodput_rps is goodput_real.goodput_rps
+    assert goodput_real.goodput_rps(p | {"requests": 0, "within_slo": 0}) == 0.0
+    cm, wl = CostModel(), Workload(images_per_request=1, output_tokens=3)
+    r = simulate_point("epd", cm, wl, 2.0, 10, ttft_slo=1e-9, tpot_slo=1e6)  # none within: 0
+    assert r.goodput_rps == goodput_real.goodput_rps(asdict(r)) == 0.0
+    r = simulate_point("epd", cm, wl, 2.0, 10, ttft_slo=1e6, tpot_slo=1e6)
+    assert r.goodput_rps == goodput_real.goodput_rps({"offered_qps": 2.0, "requests": 10, "within_slo": r.within_slo})
