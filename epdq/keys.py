@@ -19,12 +19,14 @@ for, and only on loopback; ipc:// needs no keys (its directory is private to the
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 from pathlib import Path
 
 from epdq.errors import ConfigError
-from epdq.security import SecurityConfig, generate_keypair, load_keypair
+from epdq.security import SecurityConfig, generate_keypair, load_keypair, load_public_key, write_public_key
+
+log = logging.getLogger("epdq.keys")
 
 ROLES = ("broker", "client", "worker")
 
@@ -35,24 +37,58 @@ def default_keys_dir() -> Path:
 
 
 def ensure_cluster_keys(directory: str | os.PathLike | None = None) -> Path:
-    """Create the key pairs and allow-list that are missing; never overwrite existing keys."""
+    """Create the key pairs and allow-list entries that are missing; never overwrite a key in use.
+
+    - A pair with both files gone is made anew, and its allowed/ entry replaced: removing a pair
+      is how a leaked key is rotated, and the old key must stop being admitted.
+    - A secret without its public file (a crash between the two writes) gets it back, from the secret.
+    - A public file without its secret, a public file that is not its secret's, or an allowed/
+      entry that is not its pair's key is a ConfigError naming the files: keygen cannot tell a
+      stale copy (the old key, perhaps the leaked one) from a key placed there on purpose, and
+      `epdq up` runs this at every start, so it changes nothing it did not make in this run."""
     d = Path(directory) if directory else default_keys_dir()
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    new = set()
     for role in ROLES:
-        if not (d / f"{role}.key_secret").exists():
-            if (d / f"{role}.key").exists() or (d / f"{role}.key").is_symlink():
-                # a new pair would not match what others already trust: the operator decides
+        pub, sec = d / f"{role}.key", d / f"{role}.key_secret"
+        if sec.exists():
+            key = load_public_key(sec)
+            if not (pub.exists() or pub.is_symlink()):
+                write_public_key(pub, role, key)
+                log.warning("%s was missing: written again from %s", pub, sec.name)
+            elif load_public_key(pub) != key:
                 raise ConfigError(
-                    f"{d / role}.key exists without its secret {role}.key_secret: put the secret key back, or "
-                    f"remove {role}.key (and allowed/{role}.key) to make a new pair"
+                    f"{pub} is not the public key of {sec} (a pair mixed from two copies?): others check "
+                    f"this {role} with {pub.name}; remove {pub} to have `epdq keygen {d}` write it again "
+                    f"from {sec.name}, or put the matching pair back"
                 )
-            generate_keypair(d, role)
+            continue
+        if pub.exists() or pub.is_symlink():
+            # a new pair would not match what others already trust: the operator decides
+            then = "its allowed/ entry is replaced" if role != "broker" else "hand the new broker.key out again"
+            raise ConfigError(
+                f"{pub} exists without its secret {sec.name}: put the secret key back, or "
+                f"remove {pub.name} to make a new pair ({then})"
+            )
+        generate_keypair(d, role)
+        new.add(role)
     allowed = d / "allowed"
     allowed.mkdir(mode=0o700, exist_ok=True)
     for role in ("client", "worker"):
-        if not (allowed / f"{role}.key").exists():
-            shutil.copyfile(d / f"{role}.key", allowed / f"{role}.key")
-            os.chmod(allowed / f"{role}.key", 0o644)
+        own, entry = d / f"{role}.key", allowed / f"{role}.key"
+        key = load_public_key(own)
+        present = entry.exists() or entry.is_symlink()
+        if role in new or not present:
+            write_public_key(entry, role, key)
+            if present:
+                log.warning("%s now admits the new %s; the key it held before is no longer admitted", entry, own.name)
+        elif load_public_key(entry) != key:
+            raise ConfigError(
+                f"{entry} admits a different key than {own}: the broker refuses {role}s that use "
+                f"{own.name}'s pair and admits whoever holds the other key. To admit {own.name} (e.g. "
+                f"after replacing a leaked key), remove {entry} and run `epdq keygen {d}` again; a "
+                f"further {role} key to admit goes in allowed/ under another name ({role}-NAME.key)"
+            )
     return d
 
 

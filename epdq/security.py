@@ -94,12 +94,27 @@ def generate_keypair(directory: str | Path, name: str, *, overwrite: bool = Fals
     if existing and not overwrite:
         raise ConfigError(f"{existing[0]} already exists; pass overwrite=True to replace the key pair")
     public, secret = zmq.curve_keypair()
-    for path, text, mode in ((sec_path, _cert_text(name, public, secret), 0o600),
-                             (pub_path, _cert_text(name, public, None), 0o644)):  # fmt: skip
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        # O_EXCL|O_NOFOLLOW: never write through a planted file or symlink; fchmod undoes the umask
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    # The secret first: two files cannot be replaced at once, and a crash between them leaves a
+    # secret without its public file, which `epdq keygen` rebuilds from it (epdq.keys). The other
+    # order would leave a public key that nobody holds the secret of.
+    _write_atomically(sec_path, _cert_text(name, public, secret), 0o600)
+    _write_atomically(pub_path, _cert_text(name, public, None), 0o644)
+    return pub_path, sec_path
+
+
+def write_public_key(path: str | Path, name: str, public: bytes) -> Path:
+    """Write (or replace) the public certificate `path` (0644) holding `public`, atomically."""
+    path = Path(path)
+    _write_atomically(path, _cert_text(name, public, None), 0o644)
+    return path
+
+
+def _write_atomically(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    # O_EXCL|O_NOFOLLOW: never write through a planted file or symlink; fchmod undoes the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
         try:
             os.fchmod(fd, mode)
             os.write(fd, text.encode())
@@ -107,7 +122,9 @@ def generate_keypair(directory: str | Path, name: str, *, overwrite: bool = Fals
         finally:
             os.close(fd)
         os.replace(tmp, path)  # readers never see half a file
-    return pub_path, sec_path
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_cert(path: str | Path, *, admitted: bool = False) -> tuple[bytes | None, bytes | None, int]:

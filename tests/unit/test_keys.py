@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -94,3 +95,87 @@ def test_bad_key_files_are_config_errors(cluster):
         from epdq.security import load_allowed_keys
 
         load_allowed_keys(security_for("broker", keys_dir=str(cluster)).allow_dir)
+
+
+# -- `epdq keygen` on an existing directory: rotation, a half-written pair, stale allow-list entries
+
+
+def _public(path):
+    from epdq.security import load_public_key
+
+    return load_public_key(path)
+
+
+def test_a_removed_pair_is_rotated_in_the_allow_list_too(cluster):
+    """Removing a leaked pair and running keygen again: the new pair was written, but allowed/ kept
+    the old key (copied only when missing), so the leaked key was still admitted and new workers
+    refused, with exit 0."""
+    from epdq.security import load_allowed_keys, load_worker_keys
+
+    old = _public(cluster / "worker.key")
+    (cluster / "worker.key").unlink()
+    (cluster / "worker.key_secret").unlink()
+    ensure_cluster_keys(cluster)
+    new = _public(cluster / "worker.key")
+    assert new != old and _public(cluster / "worker.key_secret") == new
+    assert _public(cluster / "allowed" / "worker.key") == new
+    assert old not in load_allowed_keys(cluster / "allowed") and load_worker_keys(cluster / "allowed") == {new}
+    assert _public(cluster / "allowed" / "client.key") == _public(cluster / "client.key")  # untouched
+
+
+def test_a_stale_allow_list_entry_is_refused_naming_both_files(cluster):
+    # what the old keygen left behind: a rotated pair, the old key still in allowed/
+    stale = (cluster / "allowed" / "worker.key").read_bytes()
+    (cluster / "worker.key").unlink()
+    (cluster / "worker.key_secret").unlink()
+    ensure_cluster_keys(cluster)
+    (cluster / "allowed" / "worker.key").write_bytes(stale)
+    with pytest.raises(ConfigError) as e:
+        ensure_cluster_keys(cluster)
+    assert f"{cluster}/allowed/worker.key admits a different key than {cluster}/worker.key" in e.value.message
+    assert f"remove {cluster}/allowed/worker.key" in e.value.message
+    assert (cluster / "allowed" / "worker.key").read_bytes() == stale  # nothing changed behind the operator's back
+    (cluster / "allowed" / "worker.key").unlink()  # as the message says
+    ensure_cluster_keys(cluster)
+    assert _public(cluster / "allowed" / "worker.key") == _public(cluster / "worker.key")
+
+
+def test_a_public_file_lost_between_the_two_writes_is_rebuilt_from_the_secret(tmp_path, monkeypatch):
+    """A crash after worker.key_secret was written and before worker.key: every later keygen (and
+    `epdq up`) failed with a bare 'No such file or directory'."""
+    import epdq.security as security
+
+    class Crash(BaseException):  # the process dies here: nothing after it runs
+        pass
+
+    real_replace, calls = os.replace, []
+
+    def crash_on_the_public_file(src, dst):
+        calls.append(str(dst))
+        if str(dst).endswith("worker.key"):
+            raise Crash
+        real_replace(src, dst)
+
+    monkeypatch.setattr(security.os, "replace", crash_on_the_public_file)
+    with pytest.raises(Crash):
+        ensure_cluster_keys(tmp_path / "k")
+    monkeypatch.setattr(security.os, "replace", real_replace)
+    d = tmp_path / "k"
+    assert (d / "worker.key_secret").exists() and not (d / "worker.key").exists()
+    secret_public = _public(d / "worker.key_secret")
+    ensure_cluster_keys(d)
+    assert _public(d / "worker.key") == _public(d / "allowed" / "worker.key") == secret_public
+    assert (d / "worker.key").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in d.iterdir() if p.name.startswith(".")] == []  # the failed write's temp file is gone
+
+
+def test_a_public_file_that_is_not_its_secrets_is_refused(cluster):
+    shutil.copy2(cluster / "client.key", cluster / "worker.key")
+    with pytest.raises(ConfigError, match=r"worker\.key is not the public key of .*worker\.key_secret"):
+        ensure_cluster_keys(cluster)
+
+
+def test_keygen_twice_changes_nothing(cluster):
+    before = {p: p.read_bytes() for p in cluster.rglob("*") if p.is_file()}
+    ensure_cluster_keys(cluster)
+    assert {p: p.read_bytes() for p in cluster.rglob("*") if p.is_file()} == before
