@@ -204,7 +204,7 @@ def worker(
     try:
         _run(serve_worker(cfg))
     except EngineError as e:  # its engine died: status 1 for the supervisor (README), as under `epdq up`
-        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        _say_fatal(e)
         raise typer.Exit(1) from None
 
 
@@ -570,11 +570,27 @@ def exit_code(e: EpdqError) -> int:
     return 2 if isinstance(e, (ConfigError, InvalidInputError)) else 3
 
 
+def _say_fatal(e: EpdqError) -> None:
+    """The line saying why this process stops. Where the logs are JSON (--log-format json) it is
+    one JSON object like theirs: a pipeline that parses them dropped the text line, this one of all."""
+    import logging
+
+    from epdq.logs import JsonFormatter
+
+    formatter = next((h.formatter for h in logging.getLogger().handlers if isinstance(h.formatter, JsonFormatter)), None)
+    if formatter is None:
+        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        return
+    record = logging.LogRecord("epdq", logging.ERROR, __file__, 0, e.message, None, None)
+    record.event, record.code = "fatal", e.code
+    typer.echo(formatter.format(record), err=True)
+
+
 def main() -> None:
     try:
         app()
     except EpdqError as e:  # configuration problems, an unreachable broker: one clear line
-        typer.echo(f"error ({e.code}): {e.message}", err=True)
+        _say_fatal(e)
         sys.exit(exit_code(e))
 
 
