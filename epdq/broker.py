@@ -208,13 +208,15 @@ class Broker:
         try:
             if self.cfg.metrics_address:  # before anyone is told we are ready: it can fail
                 host, _, port = self.cfg.metrics_address.rpartition(":")
+                # [::1]:9090 names an IPv6 host as URLs do; the socket wants it bare (as the gateway's --host)
+                host = host[1:-1] if host.startswith("[") and host.endswith("]") else host or "127.0.0.1"
                 # a draining broker is not ready: load balancers stop sending clients to it
                 self._metrics = MetricsServer(self.render_metrics, self._unready_reason)
                 try:
-                    bound = await self._metrics.start(host or "127.0.0.1", int(port))
+                    bound = await self._metrics.start(host, int(port))
                 except (OSError, ValueError) as e:
                     raise ConfigError(f"cannot serve metrics on {self.cfg.metrics_address}: {e}") from None
-                log.info("metrics on http://%s:%d/metrics", host or "127.0.0.1", bound)
+                log.info("metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, bound)
             self.channel.start()
             log.info("broker listening on %s", self.endpoint)
             if ready is not None:
