@@ -578,6 +578,12 @@ def validate_sampling(s: Sampling) -> None:
         raise ProtocolError(f"top_p must be in (0, 1], not {s.top_p!r}")
     if s.seed is not None and not SEED_MIN <= s.seed <= SEED_MAX:
         raise ProtocolError("seed must be a 64-bit signed integer")
+    if s.seed == -1:
+        # vLLM reads -1 as "no seed" (random sampling), the hf engine as a seed: refused rather
+        # than served differently by each backend
+        raise ProtocolError(
+            "seed -1 is not accepted (vLLM reads it as 'no seed'): leave seed unset for random sampling"
+        )
     if len(s.stop) > MAX_STOP_STRINGS:
         raise ProtocolError(f"{len(s.stop)} stop strings (at most {MAX_STOP_STRINGS})")
     for x in s.stop:

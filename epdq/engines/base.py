@@ -27,6 +27,16 @@ FINISH_REASONS = ("stop", "length")
 _IMAGE_PART_TYPES = ("image", "image_url")
 _TEXT_PART_TYPES = ("text",)
 _ROLES = ("system", "user", "assistant")
+# vLLM samples greedily below its _SAMPLING_EPS, but first raises any temperature in (0, 0.01)
+# to 0.01 (its _MAX_TEMP, against NaN/inf in its sampler), so there 1e-6 sampled at 0.01 while
+# the hf engine took it as greedy. Every engine maps the request's value through
+# `engine_temperature`: the same sampling whichever backend serves the request.
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 0.01
+# vLLM's SamplingParams turns seed -1 into "no seed" (random), the hf engine seeded with it: no
+# engine can honour both readings, so -1 is refused wherever a request is checked.
+UNSEEDED_SEED = -1
+SEED_MINUS_ONE = "seed -1 is not accepted (vLLM reads it as 'no seed'): leave seed unset for random sampling"
 
 
 @dataclass(slots=True)
@@ -68,6 +78,8 @@ class SamplingSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError("seed must be an int or None")
+        if self.seed == UNSEEDED_SEED:
+            raise ValueError(SEED_MINUS_ONE)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a bool")
         if isinstance(self.stop, str):
@@ -75,6 +87,14 @@ class SamplingSpec:
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop entries must be non-empty strings")
+
+
+def engine_temperature(temperature: float) -> float:
+    """The temperature every engine samples with: 0.0 (greedy) below GREEDY_BELOW, at least
+    MIN_TEMPERATURE otherwise (what vLLM itself does to values in [GREEDY_BELOW, 0.01))."""
+    if temperature < GREEDY_BELOW:
+        return 0.0
+    return max(temperature, MIN_TEMPERATURE)
 
 
 @dataclass(slots=True)
@@ -107,6 +127,12 @@ class VisionEngine(Protocol):
 
 @runtime_checkable
 class PDEngine(Protocol):
+    """Optional, outside the protocol (looked up with getattr): `async def forget_cached_inputs()`,
+    for an engine that caches what it computed from its inputs under a hash of them (vLLM's prefix
+    and multimodal caches). A PD worker calls it when embeddings it handed over in place (a view
+    of a ring entry) were overwritten while the engine read them: the hash may name other bytes
+    than the engine computed with. Engines without it cache nothing across requests."""
+
     hidden_size: int
 
     async def start(self) -> None: ...

@@ -27,7 +27,14 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from epdq.engines.base import IMAGE_PLACEHOLDER, Delta, SamplingSpec, embed_rows, render_chat_prompt
+from epdq.engines.base import (
+    IMAGE_PLACEHOLDER,
+    Delta,
+    SamplingSpec,
+    embed_rows,
+    engine_temperature,
+    render_chat_prompt,
+)
 from epdq.errors import CancelledError, EngineError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -175,6 +182,10 @@ class HFPDEngine:
         if request_id in self._active:
             self._aborted.add(request_id)
 
+    async def forget_cached_inputs(self) -> None:
+        """Nothing to forget: every request prefills from its own embeddings, nothing is kept
+        across requests (see VllmEngine.forget_cached_inputs)."""
+
     async def _image_inputs(self, request_id, prompt, image_embeds, image_grid_thw, images):
         """Validate the request's image inputs -> (embeds [N, hidden] or None, grid [n, 3] or None)."""
         if not isinstance(prompt, str) or not prompt:
@@ -266,7 +277,7 @@ class HFPDEngine:
 
         state = await asyncio.to_thread(self._prefill, request_id, prompt, embeds, grid)
         generator = None
-        if sampling.temperature >= GREEDY_BELOW:
+        if engine_temperature(sampling.temperature) > 0.0:
             generator = torch.Generator(device="cpu")
             if sampling.seed is not None:
                 generator.manual_seed(sampling.seed)
@@ -379,20 +390,18 @@ class HFPDEngine:
         return out.logits[0, -1].float()
 
 
-# As vLLM (its _SAMPLING_EPS): a temperature this small samples greedily. A valid 1e-40 made
-# logits / temperature overflow to inf, softmax NaN, and the request failed in the engine.
-GREEDY_BELOW = 1e-5
-
-
 def _sample(logits, s: SamplingSpec, generator) -> int:
     import torch
 
-    if s.temperature < GREEDY_BELOW or generator is None:
+    # As VllmEngine sends it to vLLM: greedy below base.GREEDY_BELOW, at least 0.01 above (a valid
+    # 1e-40 made logits / temperature overflow to inf, softmax NaN, and the request an EngineError)
+    temperature = engine_temperature(s.temperature)
+    if temperature == 0.0 or generator is None:
         return int(torch.argmax(logits))
     # the generator lives on the CPU: seeded sampling is the same on any device; float32, as
     # float16 logits divided by a small temperature overflow to inf (then NaN probabilities)
     logits = logits.cpu().float()
-    probs = torch.softmax(logits / s.temperature, dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < s.top_p  # always keeps the top token

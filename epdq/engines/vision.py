@@ -8,6 +8,7 @@ concatenated, one grid row per image); the output is split back per image.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import pathlib
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from epdq.engines.base import EncodedImage
-from epdq.errors import InvalidInputError
+from epdq.errors import EngineError, InvalidInputError
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -119,6 +120,16 @@ class HFVisionEncoder:
         if embeds.shape[0] != sum(rows) or embeds.shape[1] != self.hidden_size:
             raise RuntimeError(
                 f"vision tower returned {tuple(embeds.shape)}, expected ({sum(rows)}, {self.hidden_size})"
+            )
+        # Refused here, before the ring: published, NaN/inf embeddings would be served from the
+        # cache to every request with this image, and vLLM decodes them into garbage without an
+        # error. Checked once per encode, not per hand-off to a PD engine.
+        if not torch.isfinite(embeds).all():
+            row = int((~torch.isfinite(embeds)).any(dim=1).nonzero()[0])
+            image = next(i for i, end in enumerate(itertools.accumulate(rows)) if row < end)
+            raise EngineError(
+                f"the vision tower produced NaN or infinite embeddings for image {image} of {len(rows)} "
+                f"(in {str(self.dtype).removeprefix('torch.')}: an overflow?)"
             )
         return [
             EncodedImage(embeds=chunk.contiguous(), grid_thw=tuple(g))

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from epdq.engines import rpc_dirs
-from epdq.engines.base import IMAGE_PLACEHOLDER, Delta, SamplingSpec, embed_rows, render_chat_prompt
+from epdq.engines.base import (
+    IMAGE_PLACEHOLDER,
+    Delta,
+    SamplingSpec,
+    embed_rows,
+    engine_temperature,
+    render_chat_prompt,
+)
 from epdq.errors import CancelledError, ConfigError, EngineError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -317,13 +324,32 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await self._llm.abort(request_id)
 
+    async def forget_cached_inputs(self) -> None:
+        """Drop everything vLLM keeps keyed by a multimodal input's hash: the prefix cache (KV of
+        prompts with that image), the front-end's and core's multimodal caches, the encoder cache.
+
+        For embeddings that changed under vLLM (a ring entry handed over as a view and overwritten
+        between vLLM's hash of it and its copy): their KV sits under the right image's hash, and the
+        retry of the same image would reuse it. Call it once the request that read them has left the
+        engine: requests still running are preempted and recomputed (vLLM's only way to clear
+        blocks in use), and one still running with the wrong bytes would cache them again."""
+        llm = self._llm
+        if llm is None or self.dead:
+            return
+        # vLLM's own order (EngineCore._reset_caches, for new weights): the running requests'
+        # blocks and encoder outputs are let go first; their encoder inputs are then recomputed
+        if not await llm.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError("vLLM did not reset its prefix cache")
+        await llm.reset_mm_cache()
+        await llm.reset_encoder_cache()
+
     def _sampling_params(self, s: SamplingSpec):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             max_tokens=s.max_tokens,
-            temperature=s.temperature,
+            temperature=engine_temperature(s.temperature),
             top_p=s.top_p,
             seed=s.seed,
             stop=list(s.stop) or None,
@@ -377,7 +403,15 @@ class VllmEngine:
         if not embeds.dtype.is_floating_point:
             raise InvalidInputError(f"image_embeds must be floating point, got {embeds.dtype}")
         dtype = getattr(torch, self.config.dtype)
-        return embeds.to("cpu", dtype).contiguous(), grid.to("cpu", torch.int64).contiguous()
+        cast = embeds.to("cpu", dtype).contiguous()
+        # vLLM runs on NaN/inf embeddings without a word (garbage tokens). Encoders refuse to
+        # publish non-finite ones, so only a narrowing cast can make them (float32 beyond
+        # float16's 65504 is inf); the common no-cast hand-off, a view of the ring, is not scanned.
+        if embeds.dtype != dtype and not torch.isfinite(cast).all():
+            raise InvalidInputError(
+                f"image_embeds are not finite in {self.config.dtype} (NaN, or values beyond its range)"
+            )
+        return cast, grid.to("cpu", torch.int64).contiguous()
 
 
 def kv_bytes_per_token(text_config, dtype: str) -> int:

@@ -186,6 +186,9 @@ class PDWorker:
         self.link: Any = None
         self.local_reads = 0
         self.remote_reads = 0
+        # times a viewed ring entry was found overwritten after the engine read it: its caches
+        # were then cleared (see _forget_cached_inputs)
+        self.stale_views = 0
         # where the engine wants its embeddings; on a GPU, entries of CUDA rings on the same GPU
         # are copied device-to-device (epdq.ring_cuda), everything else is copied up once
         self.device = torch.device(device)
@@ -326,6 +329,8 @@ class PDWorker:
             log.exception("abort of %s failed", rid)
 
     async def _generate(self, msg: P.Prefill, payload: list[Any]) -> tuple[int, str]:
+        if self.death:  # set here, not by the engine, when its caches could not be cleared
+            raise EngineError(f"this worker is leaving: {self.death}")
         s = msg.sampling
         try:
             sampling = SamplingSpec(s.max_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop), s.ignore_eos)
@@ -348,13 +353,18 @@ class PDWorker:
             raise InvalidInputError("a PD worker takes embeddings, not images")
         final = None
         n = 0
+        stale_view = False
         stream = self.engine.generate(msg.request_id, prompt, sampling, **kwargs)
         try:
             async for d in stream:
                 if viewed:
                     # the engine has its copy of the embeddings by now: verify it read intact bytes
                     r, viewed = viewed, None
-                    self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
+                    try:
+                        self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
+                    except StaleEmbeddingError:
+                        stale_view = True
+                        raise
                 if d.finish_reason is not None:
                     final = d
                     break
@@ -377,8 +387,44 @@ class PDWorker:
             except Exception:  # the request is answered: what the engine does after it is its own
                 log.debug("the engine's stream of %s failed after its last delta", msg.request_id, exc_info=True)
         finally:
+            if viewed is not None:
+                # ended before its first delta (refused, failed, cancelled): it may have read the
+                # view all the same, and cached what it read
+                stale_view = not self._intact(viewed)
             await stream.aclose()  # nothing to do once it has ended; an early exit closes it now
+            if stale_view:
+                # after the close: the request has left the engine, or it would cache its bytes again
+                await asyncio.shield(self._forget_cached_inputs(msg.request_id))
         return n + len(final.token_ids), final.finish_reason
+
+    def _intact(self, r: P.EmbedRef) -> bool:
+        try:
+            self.reader.check(r.segment, r.offset, r.nbytes, r.key, r.generation)
+        except EpdqError:
+            return False
+        return True
+
+    async def _forget_cached_inputs(self, rid: str) -> None:
+        """The engine read a ring entry in place that was overwritten meanwhile. vLLM hashes its
+        input before it copies it: it may have computed (and kept, in its prefix and multimodal
+        caches) KV of the wrong bytes under the right image's hash, which the broker's retry, the
+        same image, would reuse. The engine forgets what it cached before the request fails."""
+        self.stale_views += 1
+        forget = getattr(self.engine, "forget_cached_inputs", None)
+        log.warning(
+            "request %s: its embeddings were overwritten while the engine read them; %s", rid,
+            "clearing the engine's cached inputs" if forget else "the engine caches no inputs",
+            extra={"request_id": rid, "event": "pd_stale_view", "stale_views": self.stale_views},
+        )  # fmt: skip
+        if forget is None:
+            return
+        try:
+            await forget()
+        except Exception as e:
+            # its caches may hold KV of the wrong bytes: served on, it could answer the retry with
+            # wrong tokens. Leave instead (as for a dead engine); a restart starts with empty caches.
+            self.death = f"could not clear the engine's cached inputs after overwritten embeddings: {e}"[:300]
+            log.exception("request %s: %s", rid, self.death, extra={"request_id": rid, "event": "engine_dead"})
 
     def _decode(self, frames: list[Any]) -> list[Any]:
         return [decode_image(f, max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels) for f in frames]
