@@ -2,7 +2,7 @@
 table (`epdq bench summary`).
 
 At the sizes README's tables use (about 3 minutes here; `--real` adds the real tiny model's
-goodput, about 3 more), or with `--quick` at small sizes for a first look (about a minute; its
+goodput, about 3 more), or with `--quick` at small sizes for a first look (about 30 s here; its
 figures are noisier and the hand-off ratios at small repeat counts lean high). A benchmark that
 fails stops the run with its exit code; the files written so far stay in `--out`.
 """
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", "--out-dir", dest="out", default="bench-results",
                     help="directory every benchmark writes its JSON and plot to (default bench-results)")  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="small sizes: about a minute, noisier figures")
+    ap.add_argument("--quick", action="store_true", help="small sizes: about 30 s, noisier figures")
     ap.add_argument("--real", action="store_true", help="also the goodput of the real tiny model (about 3 minutes)")
     ap.add_argument("--no-plot", action="store_true", help="no PNG plots (older ones in --out are removed)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a judged target is missed")
