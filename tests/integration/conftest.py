@@ -1,4 +1,7 @@
+import asyncio
+
 import pytest
+import pytest_asyncio
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +18,17 @@ def encoder(model_dir):
     from epdq.engines.vision import HFVisionEncoder
 
     return HFVisionEncoder(model_dir)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_pd(model_dir):
+    """A vLLM engine in PD mode (it takes precomputed image embeddings) on the tiny checkpoint,
+    one per test module (a module may reset its caches or poison them on purpose)."""
+    from epdq.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(model_dir, mode="pd", max_model_len=1024, max_num_seqs=4)
+    try:
+        await asyncio.wait_for(engine.start(), 180)
+        yield engine
+    finally:
+        await engine.close()

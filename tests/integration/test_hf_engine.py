@@ -46,18 +46,6 @@ async def hf(model_dir):
         await asyncio.gather(pd.close(), both.close())
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vllm_pd(model_dir):
-    from epdq.engines.vllm_engine import VllmEngine
-
-    engine = VllmEngine(model_dir, mode="pd", max_model_len=1024, max_num_seqs=4)
-    try:
-        await asyncio.wait_for(engine.start(), 180)
-        yield engine
-    finally:
-        await engine.close()
-
-
 def embeds_for(encoder, images):
     if not images:
         return {}

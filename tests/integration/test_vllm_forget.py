@@ -9,11 +9,8 @@ sent under the image's identity (a client-given multimodal uuid stands in for th
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 from PIL import Image
 
@@ -31,18 +28,6 @@ def noise_image(seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8))
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def pd(model_dir):
-    from epdq.engines.vllm_engine import VllmEngine
-
-    engine = VllmEngine(model_dir, mode="pd", max_model_len=1024, max_num_seqs=4)
-    try:
-        await asyncio.wait_for(engine.start(), 180)
-        yield engine
-    finally:
-        await engine.close()
-
-
 async def under_identity(engine, prompt: str, embeds: torch.Tensor, grid: torch.Tensor, uuid: str, rid: str):
     """(greedy tokens, prompt tokens served from the prefix cache) of a request whose image vLLM
     knows by `uuid` instead of its bytes' hash."""
@@ -58,35 +43,35 @@ async def under_identity(engine, prompt: str, embeds: torch.Tensor, grid: torch.
     return tokens, cached
 
 
-async def test_after_forgetting_the_right_bytes_get_their_own_tokens(pd, encoder):
-    prompt = pd.render_prompt(chat(1, TEXT))
+async def test_after_forgetting_the_right_bytes_get_their_own_tokens(vllm_pd, encoder):
+    prompt = vllm_pd.render_prompt(chat(1, TEXT))
     a, b = encoder.encode([noise_image(1), noise_image(2)])
     grid = torch.tensor([a.grid_thw])
-    right = (await collect(pd, prompt, SPEC, image_embeds=a.embeds, image_grid_thw=grid))[0]
-    wrong = (await collect(pd, prompt, SPEC, image_embeds=b.embeds, image_grid_thw=grid))[0]
+    right = (await collect(vllm_pd, prompt, SPEC, image_embeds=a.embeds, image_grid_thw=grid))[0]
+    wrong = (await collect(vllm_pd, prompt, SPEC, image_embeds=b.embeds, image_grid_thw=grid))[0]
     assert right != wrong, "the image must change the output, or nothing below means anything"
 
     # the stale request: image b's bytes under image a's identity
-    assert (await under_identity(pd, prompt, b.embeds, grid, "image-a", "stale"))[0] == wrong
+    assert (await under_identity(vllm_pd, prompt, b.embeds, grid, "image-a", "stale"))[0] == wrong
     # the retry, image a's right bytes under its identity, is served from what the stale one left
-    tokens, cached = await under_identity(pd, prompt, a.embeds, grid, "image-a", "retry-1")
+    tokens, cached = await under_identity(vllm_pd, prompt, a.embeds, grid, "image-a", "retry-1")
     assert tokens == wrong and cached >= 128
-    await pd.forget_cached_inputs()
-    assert await under_identity(pd, prompt, a.embeds, grid, "image-a", "retry-2") == (right, 0)
+    await vllm_pd.forget_cached_inputs()
+    assert await under_identity(vllm_pd, prompt, a.embeds, grid, "image-a", "retry-2") == (right, 0)
 
 
-async def test_requests_running_while_it_forgets_finish_with_their_own_tokens(pd, encoder):
-    prompt = pd.render_prompt(chat(1, TEXT))
+async def test_requests_running_while_it_forgets_finish_with_their_own_tokens(vllm_pd, encoder):
+    prompt = vllm_pd.render_prompt(chat(1, TEXT))
     (c,) = encoder.encode([noise_image(3)])
     grid = torch.tensor([c.grid_thw])
     long = SamplingSpec(max_tokens=48, ignore_eos=True)
-    alone = (await collect(pd, prompt, long, image_embeds=c.embeds, image_grid_thw=grid))[0]
+    alone = (await collect(vllm_pd, prompt, long, image_embeds=c.embeds, image_grid_thw=grid))[0]
 
     tokens: list[int] = []
     forgot = False
-    async for delta in pd.generate("running", prompt, long, image_embeds=c.embeds, image_grid_thw=grid):
+    async for delta in vllm_pd.generate("running", prompt, long, image_embeds=c.embeds, image_grid_thw=grid):
         tokens += delta.token_ids
         if not forgot:  # mid-decode: vLLM preempts it and recomputes what it had
-            await pd.forget_cached_inputs()
+            await vllm_pd.forget_cached_inputs()
             forgot = True
-    assert tokens == alone and not pd.dead
+    assert tokens == alone and not vllm_pd.dead
