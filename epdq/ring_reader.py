@@ -5,7 +5,7 @@ A reader maps each encoder's segment once (cached per name, at most `max_segment
 reference it is given against the entry's header, and trusts bytes only while that header still
 names the entry: before and after the copy (`read`), or after the consumer's own copy (`view`, then
 `check`). An entry announced before its bytes are in is waited for (`spin`, `wait_published`)
-rather than taken as stale. Nothing a message names is trusted: segment names must match this
+rather than taken as stale, or copied out as its writer's fill mark advances (`read_as_filled`). Nothing a message names is trusted: segment names must match this
 user's pattern, offsets and shapes must fit the segment, and the file must be a private one of
 this uid.
 """
@@ -20,13 +20,15 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from epdq.errors import EntryPending, ProtocolError, StaleEmbeddingError
 from epdq.ring import (
+    _FILLED_AT,
+    _GEN,
     _HDR,
     _MAGIC,
     _PENDING,
@@ -224,20 +226,85 @@ class RingReader:
         its encoder died or stalled mid-copy, and the broker has the image encoded again."""
         if self.spin(segment, offset, nbytes, key, generation, SPIN_S):
             return
+        await self._wait(
+            segment, key, generation, nbytes, timeout_s,
+            lambda: self.spin(segment, offset, nbytes, key, generation, 0.0),
+        )  # fmt: skip
+
+    async def read_as_filled(
+        self, segment: str, offset: int, nbytes: int, key: bytes, generation: int, dtype: torch.dtype,
+        shape: tuple[int, ...], *, out: torch.Tensor | None = None, timeout_s: float = PUBLISH_TIMEOUT_S,
+    ) -> torch.Tensor:  # fmt: skip
+        """`read`, also of an entry whose bytes are still being copied in: its leading bytes are
+        copied out as the writer's fill mark passes them, so the two copies run side by side
+        rather than one after the other. Checked after the last byte as `read` is; waits and
+        fails as `wait_published` does."""
+        seg, published = self._locate(segment, offset, nbytes, key, generation, dtype, shape, pending_ok=True)
+        if published:
+            return self.read(segment, offset, nbytes, key, generation, dtype, shape, out=out)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
+            raise ValueError("out tensor does not match dtype/shape or is not on the CPU")
+        if not out.is_contiguous():
+            await self.wait_published(segment, offset, nbytes, key, generation, timeout_s=timeout_s)
+            return self.read(segment, offset, nbytes, key, generation, dtype, shape, out=out)
+        src = seg.tensor(torch.uint8, offset, (nbytes,))
+        dst = out.view(-1).view(torch.uint8) if nbytes else out
+        hdr = offset - HEADER_BYTES
+        mm, unpack = seg.mm, _HDR.unpack_from
+        final, pending = (_MAGIC, key, generation, nbytes), (_PENDING, key, generation, nbytes)
+        done = 0
+
+        def step() -> bool:
+            """Copy what has come in since the last look; True once the entry is published and
+            all of it copied."""
+            nonlocal done
+            h = unpack(mm, hdr)
+            if h == final:
+                filled = nbytes
+            elif h == pending:
+                # the writer's own word, still bounded: a mark past the entry is not believed
+                filled = min(_GEN.unpack_from(mm, hdr + _FILLED_AT)[0], nbytes)
+            else:
+                self._stale(segment, seg)
+                raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
+            if filled > done:
+                _copy_tensor(dst[done:filled], src[done:filled])
+                done = filled
+            return h == final
+
+        end = time.perf_counter() + SPIN_S
+        while not step():
+            if time.perf_counter() >= end:
+                await self._wait(segment, key, generation, nbytes, timeout_s, step)
+                break
+        # as `read`: bytes copied while the header named the entry, and it still does after them
+        if not _header_ok(mm, hdr, key, generation, nbytes):
+            raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} was overwritten")
+        return out
+
+    async def _wait(
+        self, segment: str, key: bytes, generation: int, nbytes: int, timeout_s: float,
+        look: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        """Call `look` until it says done: at every turn of the event loop for about as long as
+        the encoder's copy can take, then every POLL_S (looking whether the writer still lives)
+        until `timeout_s`."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         end = start + timeout_s
         eager = start + min(timeout_s, spin_budget(nbytes))
         while loop.time() < eager:
-            # a header read per turn of the loop: found within a turn of the copy's end, where a
+            # a look per turn of the loop: found within a turn of the copy's end, where a
             # timer (milliseconds here) would find it up to a millisecond late
             await asyncio.sleep(0)
-            if self.spin(segment, offset, nbytes, key, generation, 0.0):
+            if look():
                 return
         polls = 0
         while loop.time() < end:
             await asyncio.sleep(POLL_S)
-            if self.spin(segment, offset, nbytes, key, generation, 0.0):
+            if look():
                 return
             polls += 1
             seg = self._segments.get(segment)

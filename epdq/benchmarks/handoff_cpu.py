@@ -230,6 +230,7 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
     import zmq
 
     from epdq import protocol as P
+    from epdq.errors import EntryPending
     from epdq.ring_reader import RingReader
     from epdq.worker.pd import RemoteFetcher, from_chunks
 
@@ -267,10 +268,13 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
                     reader.check(segment, offset, nbytes, key, generation)
                     mid = done = now()
                 elif method == "ring":
-                    _published(reader, loop, segment, offset, nbytes, key, generation)  # see PDWorker._read_local
-                    out = reader.read(
-                        segment, offset, nbytes, key, generation, dtype, shape, out=pool.slot(size, slot)
-                    )
+                    # as PDWorker._read_local: an entry still being copied in is copied out behind
+                    # the encoder's copy (its fill mark), not after it
+                    args = (segment, offset, nbytes, key, generation, dtype, shape)
+                    try:
+                        out = reader.read(*args, out=pool.slot(size, slot))
+                    except EntryPending:
+                        out = loop.run_until_complete(reader.read_as_filled(*args, out=pool.slot(size, slot)))
                     mid = done = now()
                 elif method == "safetensors":
                     folder = os.path.join(cfg["st_dir"], key.hex())

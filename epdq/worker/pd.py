@@ -489,13 +489,13 @@ class PDWorker:
         return embeds, grid, None
 
     async def _read_local(self, r: P.EmbedRef, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One copy of a ring entry on this node, once its bytes are in."""
+        """One copy of a ring entry on this node; one still being copied in by its encoder is
+        copied out behind the encoder's copy, not after it."""
         args = (r.segment, r.offset, r.nbytes, r.key, r.generation)
         try:
             return self.reader.read(*args, dtype, tuple(r.shape), out=out)
         except EntryPending:  # announced while its encoder was still copying it in
-            await self.reader.wait_published(*args)
-            return self.reader.read(*args, dtype, tuple(r.shape), out=out)
+            return await self.reader.read_as_filled(*args, dtype, tuple(r.shape), out=out)
 
     def _local_shm(self, r: P.EmbedRef) -> bool:
         """A shared-memory ring entry on this node (a CUDA ring entry never is: its name is no segment)."""

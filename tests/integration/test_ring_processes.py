@@ -218,6 +218,64 @@ def test_a_reader_waiting_on_an_announced_entry_gets_it_whole():
         w.close()
 
 
+# For each entry announced on stdin before its bytes are in: copy it out behind the writer's fill
+# mark, as a PD worker gathering several images does (read_as_filled), check every element.
+_BEHIND = r"""
+import asyncio, json, sys, torch
+from epdq.errors import StaleEmbeddingError
+from epdq.ring_reader import RingReader
+torch.set_num_threads(1)
+r = RingReader()
+loop = asyncio.new_event_loop()
+print("ready", flush=True)
+for line in sys.stdin:
+    m = json.loads(line)
+    words = m["nbytes"] // 4
+    try:
+        t = loop.run_until_complete(r.read_as_filled(
+            m["seg"], m["off"], m["nbytes"], bytes.fromhex(m["key"]), m["gen"], torch.float32, (words,)))
+        want = torch.arange(words, dtype=torch.float32) + m["fill"]
+        out = "ok" if torch.equal(t, want) else "torn"
+    except StaleEmbeddingError as e:
+        out = f"stale: {e}"
+    print(out, flush=True)
+"""
+
+
+def test_a_reader_copying_behind_the_writer_gets_every_byte():
+    """Entries of several fill chunks, announced and then copied in while a reader in another
+    process copies each out as the fill mark passes: every element where it belongs (values
+    distinct per position, so a chunk copied early, late or from the wrong place shows)."""
+    w = RingWriter(64 * MIN_CAPACITY, owner_tag="behind")
+    p = child(_BEHIND)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        gen = torch.Generator().manual_seed(2)
+        answers = []
+        for i in range(60):
+            words = int(torch.randint(64 * 1024, 1024 * 1024, (1,), generator=gen))  # 256 KiB to 4 MiB
+            k = secrets.token_bytes(16)
+            t = torch.arange(words, dtype=torch.float32) + i
+            loc = w.reserve(k, t.nbytes)
+            assert loc is not None
+            p.stdin.write(describe(w, k, loc, t, fill=i) + "\n")
+            p.stdin.flush()
+            if i % 2:
+                time.sleep(0.0005)  # also let the reader be waiting when the copy starts
+            assert w.fill(k, loc.generation, t)
+            answers.append(p.stdout.readline().strip())
+            w.unpin(k, loc.generation)
+        assert answers == ["ok"] * 60, [a for a in answers if a != "ok"][:5]
+    finally:
+        torch.set_num_threads(threads)
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=60)
+        w.close()
+
+
 _CRASH = r"""
 import os, torch
 from epdq.ring import RingWriter

@@ -587,6 +587,168 @@ def test_an_entry_published_between_two_header_reads_is_not_taken_as_gone(writer
     assert torch.equal(view, t)
 
 
+# -- copying out behind the writer (the fill mark) -------------------------------------------------
+
+def mark_of(w: RingWriter, loc: EntryLoc) -> int:
+    return int.from_bytes(w._mm[loc.offset - HEADER_BYTES + 40 : loc.offset - HEADER_BYTES + 48], "little")
+
+
+def test_reserve_zeroes_the_fill_mark_over_old_bytes(writer):
+    writer._mm[: 4 * ALIGN] = b"\xff" * (4 * ALIGN)  # an older entry's data where the header goes
+    loc = writer.reserve(key(), 4096)
+    assert loc.offset == HEADER_BYTES and mark_of(writer, loc) == 0
+
+
+def test_a_fill_advances_the_mark_after_each_chunk(writer, monkeypatch):
+    monkeypatch.setattr(ring_mod, "FILL_CHUNK_MIN", 4096)
+    monkeypatch.setattr(ring_mod, "FILL_CHUNK_MAX", 4096)
+    t = torch.randn(16384 // 4)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    seen = []
+    real = ring_mod._copy_chunk
+
+    def chunk(dst, src, n):
+        seen.append((mark_of(writer, loc), n))  # what a reader would see as this chunk starts
+        real(dst, src, n)
+
+    monkeypatch.setattr(ring_mod, "_copy_chunk", chunk)
+    assert writer.fill(k, loc.generation, t)
+    assert seen == [(0, 4096), (4096, 4096), (8192, 4096), (12288, 4096)]
+    assert mark_of(writer, loc) == t.nbytes
+
+
+def test_small_or_unannounced_entries_are_copied_in_one_go(writer, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ring_mod, "_copy_chunk", lambda *a: calls.append(a))
+    writer.write(key(), f32(512 << 10))  # nobody was told of it before its bytes are in
+    k = key()
+    loc = writer.reserve(k, 64 << 10)  # below FILL_CHUNK_MIN
+    assert writer.fill(k, loc.generation, f32(64 << 10))
+    assert calls == []
+
+
+class _GatedFill:
+    """A fill in a thread that stops before each chunk after the first until the test opens it."""
+
+    def __init__(self, writer: RingWriter, monkeypatch, k: bytes, loc: EntryLoc, t: torch.Tensor):
+        import threading
+
+        self.gates = [threading.Event() for _ in range(t.nbytes // 4096)]
+        self.gates[0].set()
+        calls = iter(self.gates)
+        real = ring_mod._copy_chunk
+
+        def chunk(dst, src, n):
+            assert next(calls).wait(10)
+            real(dst, src, n)
+
+        monkeypatch.setattr(ring_mod, "FILL_CHUNK_MIN", 4096)
+        monkeypatch.setattr(ring_mod, "FILL_CHUNK_MAX", 4096)
+        monkeypatch.setattr(ring_mod, "_copy_chunk", chunk)
+        self.thread = threading.Thread(target=writer.fill, args=(k, loc.generation, t), daemon=True)
+
+    def open_all(self) -> None:
+        for g in self.gates:
+            g.set()
+
+
+async def _until(cond, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while not cond():
+        assert loop.time() < end, what
+        await asyncio.sleep(0.001)
+
+
+async def test_a_reader_copies_an_entry_out_as_its_writer_fills_it(writer, reader, monkeypatch):
+    t = torch.arange(16384 // 4, dtype=torch.float32)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    gated = _GatedFill(writer, monkeypatch, k, loc, t)
+    copied = []
+    real = ring_reader._copy_tensor
+    monkeypatch.setattr(ring_reader, "_copy_tensor", lambda d, s: (copied.append(d.numel()), real(d, s)))
+    out = torch.full_like(t, -1.0)
+    task = asyncio.create_task(
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (4096,), out=out)
+    )
+    gated.thread.start()
+    try:
+        for i in range(1, 4):
+            await _until(lambda i=i: sum(copied) == 4096 * i, f"the reader copied chunk {i} as it came in")
+            assert not task.done()
+            assert torch.equal(out[: 1024 * i], t[: 1024 * i]) and bool((out[1024 * i :] == -1).all())
+            gated.gates[i].set()
+        assert await asyncio.wait_for(task, 5) is out
+        assert torch.equal(out, t) and copied == [4096] * 4
+    finally:
+        gated.open_all()
+        gated.thread.join(10)
+        task.cancel()
+
+
+async def test_an_entry_replaced_while_it_is_copied_out_is_stale(writer, reader, monkeypatch):
+    t = torch.arange(16384 // 4, dtype=torch.float32)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    gated = _GatedFill(writer, monkeypatch, k, loc, t)
+    out = torch.zeros_like(t)
+    task = asyncio.create_task(
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (4096,), out=out)
+    )
+    gated.thread.start()
+    try:
+        await _until(lambda: bool(out[0] == 0) and bool(out[1023] == 1023), "the first chunk copied out")
+        # held by the gated fill's lock: clear once it is done. Until then the reader keeps waiting.
+        gated.open_all()
+        gated.thread.join(10)
+        writer.clear()
+        writer.write(key(), f32(16384, 7.0))  # its window taken by another entry
+        with pytest.raises(StaleEmbeddingError):
+            await asyncio.wait_for(task, 5)
+    finally:
+        gated.open_all()
+        gated.thread.join(10)
+        task.cancel()
+
+
+async def test_a_reader_believes_no_fill_mark_past_the_entry(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    hdr = loc.offset - HEADER_BYTES
+    writer._mm[hdr + 40 : hdr + 48] = (2**64 - 1).to_bytes(8, "little")  # a writer gone wrong
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (1024,))
+    with pytest.raises(StaleEmbeddingError, match="not written within"):  # copied within bounds, then waited
+        await asyncio.wait_for(reader.read_as_filled(*args, timeout_s=0.05), 5)
+    t = torch.randn(1024)
+    assert writer.fill(k, loc.generation, t)
+    assert torch.equal(await asyncio.wait_for(reader.read_as_filled(*args), 5), t)
+
+
+async def test_read_as_filled_of_a_published_entry_is_a_read(writer, reader):
+    t = torch.randn(64, 16)
+    k = key()
+    loc = writer.write(k, t)
+    args = (writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (64, 16))
+    assert torch.equal(await reader.read_as_filled(*args), t)
+    out = torch.empty(16, 64).t()  # not contiguous: waited for, then read as `read` does
+    assert torch.equal(await reader.read_as_filled(*args, out=out), t)
+
+
+async def test_read_as_filled_into_a_non_contiguous_tensor_waits_for_the_whole_entry(writer, reader):
+    t = torch.randn(64, 16)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    out = torch.empty(16, 64).t()
+    asyncio.get_running_loop().call_later(0.01, writer.fill, k, loc.generation, t)
+    got = await asyncio.wait_for(
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (64, 16), out=out),
+        5,
+    )
+    assert got is out and torch.equal(out, t)
+
+
 # -- hostile messages -----------------------------------------------------------------------------
 
 
