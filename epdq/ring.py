@@ -56,12 +56,16 @@ _HDR = struct.Struct("<8s16sQQ")  # magic, key, generation, nbytes; then the fil
 _GEN = struct.Struct("<Q")
 _GEN_AT = 24  # offset of the generation inside the header
 _FILLED_AT = 40  # offset of the fill mark: bytes of an announced entry copied in so far
-# Copies of announced entries advance the fill mark every eighth of the entry, in chunks of
-# FILL_CHUNK_MIN..FILL_CHUNK_MAX bytes: two processes copying at once here run at ~1.1x one memcpy,
-# not 2x (one core does not use all the memory bandwidth), and the mark's Python overhead (~1 us
-# a chunk) stays near 1 %. Entries up to FILL_CHUNK_MIN are copied in one go.
-FILL_CHUNK_MIN = 256 << 10
-FILL_CHUNK_MAX = 1 << 20
+# Copies of announced entries larger than FILL_ONE_GO_BYTES advance the fill mark after every
+# eighth of the entry (at most FILL_CHUNK_BYTES): two processes copying at once here run at ~1.1x
+# one memcpy, not 2x (one core does not use all the memory bandwidth), so a reader copying out
+# behind the writer ends about an eighth of a copy after it. Each chunk costs the writer's own
+# copy a little (1 MiB chunks made a 32 MiB fill 2-5 % slower than one copy; eighths about half
+# that). Smaller entries are
+# copied in one go: a reader right behind the writer pulls freshly written lines out of the
+# writer's cache, and at 1 MiB that made the two copies together no faster than one after the other.
+FILL_ONE_GO_BYTES = 2 << 20
+FILL_CHUNK_BYTES = 4 << 20
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 # real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
 _PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
@@ -386,11 +390,11 @@ class RingWriter:
                 offset = e.start + HEADER_BYTES
                 if tensor.dtype in _PLAIN_DTYPES and tensor.is_cpu and tensor.is_contiguous():
                     dst, src = self._base + offset, tensor.data_ptr()
-                    if not announced or nbytes <= FILL_CHUNK_MIN:
+                    if not announced or nbytes <= FILL_ONE_GO_BYTES:
                         ctypes.memmove(dst, src, nbytes)
                     else:  # a reader may be copying it out already: say how far we are
                         mm, mark, done = self._mm, e.start + _FILLED_AT, 0
-                        chunk = min(FILL_CHUNK_MAX, max(FILL_CHUNK_MIN, nbytes // 8 // ALIGN * ALIGN))
+                        chunk = min(FILL_CHUNK_BYTES, max(ALIGN, nbytes // 8 // ALIGN * ALIGN))
                         while done < nbytes:
                             n = min(chunk, nbytes - done)
                             _copy_chunk(dst + done, src + done, n)

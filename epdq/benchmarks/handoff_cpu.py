@@ -231,6 +231,7 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
 
     from epdq import protocol as P
     from epdq.errors import EntryPending
+    from epdq.ring import FILL_ONE_GO_BYTES
     from epdq.ring_reader import RingReader
     from epdq.worker.pd import RemoteFetcher, from_chunks
 
@@ -269,8 +270,11 @@ def _reader_main(cfg: dict[str, Any], note_fd: int, ack_fd: int) -> None:
                     mid = done = now()
                 elif method == "ring":
                     # as PDWorker._read_local: an entry still being copied in is copied out behind
-                    # the encoder's copy (its fill mark), not after it
+                    # the encoder's copy (its fill mark), not after it. One the writer copies in
+                    # one go has no mark to follow: waited for as the view is, then read.
                     args = (segment, offset, nbytes, key, generation, dtype, shape)
+                    if nbytes <= FILL_ONE_GO_BYTES:
+                        _published(reader, loop, segment, offset, nbytes, key, generation)
                     try:
                         out = reader.read(*args, out=pool.slot(size, slot))
                     except EntryPending:

@@ -600,9 +600,9 @@ def test_reserve_zeroes_the_fill_mark_over_old_bytes(writer):
 
 
 def test_a_fill_advances_the_mark_after_each_chunk(writer, monkeypatch):
-    monkeypatch.setattr(ring_mod, "FILL_CHUNK_MIN", 4096)
-    monkeypatch.setattr(ring_mod, "FILL_CHUNK_MAX", 4096)
-    t = torch.randn(16384 // 4)
+    monkeypatch.setattr(ring_mod, "FILL_ONE_GO_BYTES", 4096)
+    monkeypatch.setattr(ring_mod, "FILL_CHUNK_BYTES", 4096)
+    t = torch.randn(16384 // 4)  # an eighth would be 2 KiB
     k = key()
     loc = writer.reserve(k, t.nbytes)
     seen = []
@@ -614,16 +614,23 @@ def test_a_fill_advances_the_mark_after_each_chunk(writer, monkeypatch):
 
     monkeypatch.setattr(ring_mod, "_copy_chunk", chunk)
     assert writer.fill(k, loc.generation, t)
-    assert seen == [(0, 4096), (4096, 4096), (8192, 4096), (12288, 4096)]
+    assert seen == [(i * 2048, 2048) for i in range(8)]
     assert mark_of(writer, loc) == t.nbytes
+    seen.clear()
+    t = torch.randn(65536 // 4)  # an eighth would be 8 KiB: FILL_CHUNK_BYTES at most
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    assert writer.fill(k, loc.generation, t)
+    assert seen == [(i * 4096, 4096) for i in range(16)]
 
 
 def test_small_or_unannounced_entries_are_copied_in_one_go(writer, monkeypatch):
     calls = []
     monkeypatch.setattr(ring_mod, "_copy_chunk", lambda *a: calls.append(a))
+    monkeypatch.setattr(ring_mod, "FILL_ONE_GO_BYTES", 64 << 10)
     writer.write(key(), f32(512 << 10))  # nobody was told of it before its bytes are in
     k = key()
-    loc = writer.reserve(k, 64 << 10)  # below FILL_CHUNK_MIN
+    loc = writer.reserve(k, 64 << 10)  # announced, but not above FILL_ONE_GO_BYTES
     assert writer.fill(k, loc.generation, f32(64 << 10))
     assert calls == []
 
@@ -643,8 +650,8 @@ class _GatedFill:
             assert next(calls).wait(10)
             real(dst, src, n)
 
-        monkeypatch.setattr(ring_mod, "FILL_CHUNK_MIN", 4096)
-        monkeypatch.setattr(ring_mod, "FILL_CHUNK_MAX", 4096)
+        monkeypatch.setattr(ring_mod, "FILL_ONE_GO_BYTES", 4096)
+        monkeypatch.setattr(ring_mod, "FILL_CHUNK_BYTES", 4096)  # entries of 32 KiB: eight chunks
         monkeypatch.setattr(ring_mod, "_copy_chunk", chunk)
         self.thread = threading.Thread(target=writer.fill, args=(k, loc.generation, t), daemon=True)
 
@@ -662,7 +669,7 @@ async def _until(cond, what: str) -> None:
 
 
 async def test_a_reader_copies_an_entry_out_as_its_writer_fills_it(writer, reader, monkeypatch):
-    t = torch.arange(16384 // 4, dtype=torch.float32)
+    t = torch.arange(32768 // 4, dtype=torch.float32)
     k = key()
     loc = writer.reserve(k, t.nbytes)
     gated = _GatedFill(writer, monkeypatch, k, loc, t)
@@ -671,17 +678,17 @@ async def test_a_reader_copies_an_entry_out_as_its_writer_fills_it(writer, reade
     monkeypatch.setattr(ring_reader, "_copy_tensor", lambda d, s: (copied.append(d.numel()), real(d, s)))
     out = torch.full_like(t, -1.0)
     task = asyncio.create_task(
-        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (4096,), out=out)
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (8192,), out=out)
     )
     gated.thread.start()
     try:
-        for i in range(1, 4):
+        for i in range(1, 8):
             await _until(lambda i=i: sum(copied) == 4096 * i, f"the reader copied chunk {i} as it came in")
             assert not task.done()
             assert torch.equal(out[: 1024 * i], t[: 1024 * i]) and bool((out[1024 * i :] == -1).all())
             gated.gates[i].set()
         assert await asyncio.wait_for(task, 5) is out
-        assert torch.equal(out, t) and copied == [4096] * 4
+        assert torch.equal(out, t) and copied == [4096] * 8
     finally:
         gated.open_all()
         gated.thread.join(10)
@@ -689,13 +696,13 @@ async def test_a_reader_copies_an_entry_out_as_its_writer_fills_it(writer, reade
 
 
 async def test_an_entry_replaced_while_it_is_copied_out_is_stale(writer, reader, monkeypatch):
-    t = torch.arange(16384 // 4, dtype=torch.float32)
+    t = torch.arange(32768 // 4, dtype=torch.float32)
     k = key()
     loc = writer.reserve(k, t.nbytes)
     gated = _GatedFill(writer, monkeypatch, k, loc, t)
     out = torch.zeros_like(t)
     task = asyncio.create_task(
-        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (4096,), out=out)
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (8192,), out=out)
     )
     gated.thread.start()
     try:
