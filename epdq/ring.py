@@ -61,9 +61,9 @@ _FILLED_AT = 40  # offset of the fill mark: bytes of an announced entry copied i
 # one memcpy, not 2x (one core does not use all the memory bandwidth), so a reader copying out
 # behind the writer ends about an eighth of a copy after it. Each chunk costs the writer's own
 # copy a little (1 MiB chunks made a 32 MiB fill 2-5 % slower than one copy; eighths about half
-# that). Smaller entries are
-# copied in one go: a reader right behind the writer pulls freshly written lines out of the
-# writer's cache, and at 1 MiB that made the two copies together no faster than one after the other.
+# that). Smaller entries are copied in one go: a reader right behind the writer pulls freshly
+# written lines out of the writer's cache, and at 1 MiB that made the two copies together no
+# faster than one after the other.
 FILL_ONE_GO_BYTES = 2 << 20
 FILL_CHUNK_BYTES = 4 << 20
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
