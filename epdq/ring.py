@@ -38,6 +38,7 @@ import re
 import secrets
 import struct
 import threading
+import time
 import weakref
 
 import torch
@@ -67,6 +68,7 @@ _FILLED_AT = 40  # offset of the fill mark: bytes of an announced entry copied i
 FILL_ONE_GO_BYTES = 2 << 20
 FILL_CHUNK_BYTES = 4 << 20
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+NEW_FILE_GRACE_S = 60.0  # a segment not yet named is a dead writer's once this old (cleanup_stale_segments)
 # real dtypes: their bytes in memory are their values (no lazy conjugate/negate bits)
 _PLAIN_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8})
 
@@ -429,7 +431,11 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
     The flock a writer holds for life is the test, whatever pid the name carries: a restarted
     container's encoder often gets the pid of the one that died (1, in a fresh pid namespace)
     while /dev/shm outlives it, and pids from another pid namespace look dead from here. A
-    writer locks its segment before the segment takes its name (see RingWriter)."""
+    writer locks its segment before the segment takes its name (see RingWriter).
+
+    A NAME.new file is one a writer died with between creating and naming it: empty, but one
+    more file per crash. It is unlocked for a moment in a live writer too (between its creation
+    and its lock), so it is taken only once NEW_FILE_GRACE_S old."""
     uid = os.getuid() if uid is None else uid
     pattern = _name_pattern(uid)
     removed: list[str] = []
@@ -438,7 +444,8 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        if pattern.fullmatch(name) is None:
+        unnamed = name.endswith(".new")
+        if pattern.fullmatch(name[:-4] if unnamed else name) is None:
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -446,7 +453,8 @@ def cleanup_stale_segments(uid: int | None = None) -> list[str]:
         except OSError:
             continue
         try:
-            if os.fstat(fd).st_uid != uid:
+            st = os.fstat(fd)
+            if st.st_uid != uid or (unnamed and time.time() - st.st_mtime < NEW_FILE_GRACE_S):
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(path)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import math
 import os
 import secrets
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -913,6 +915,32 @@ def test_a_sweep_never_sees_a_new_ring_before_it_is_locked(monkeypatch):
         assert w.write(key(), f32(64)) is not None
     finally:
         w.close()
+
+
+def test_cleanup_removes_a_dead_writers_unnamed_segment_once_it_is_old():
+    # An encoder killed between creating NAME.new and renaming it left the file for good.
+    name, fd = fake_segment(dead_pid())
+    os.close(fd)
+    src = os.path.join(SHM_DIR, name)
+    os.rename(src, src + ".new")
+    fresh, fd = fake_segment(os.getpid())  # as a live writer's is, for a moment, before its lock
+    os.close(fd)
+    os.rename(os.path.join(SHM_DIR, fresh), os.path.join(SHM_DIR, fresh) + ".new")
+    locked, lfd = fake_segment(dead_pid())
+    os.rename(os.path.join(SHM_DIR, locked), os.path.join(SHM_DIR, locked) + ".new")
+    fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    old = time.time() - ring_mod.NEW_FILE_GRACE_S - 5
+    for n in (name, locked):
+        os.utime(os.path.join(SHM_DIR, n) + ".new", (old, old))
+    try:
+        removed = ring_mod.cleanup_stale_segments()
+        assert name + ".new" in removed and not os.path.exists(src + ".new")
+        assert fresh + ".new" not in removed and locked + ".new" not in removed
+    finally:
+        os.close(lfd)
+        for n in (name, fresh, locked):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, n) + ".new")
 
 
 def test_a_ring_that_cannot_lock_its_segment_leaves_no_file(monkeypatch):
