@@ -231,6 +231,13 @@ def up(
         10.0, help="On Ctrl-C or SIGTERM: seconds to finish the requests in flight while new ones are refused "
         "(a second Ctrl-C stops at once)."
     ),
+    max_model_len: int = typer.Option(
+        4096, help="PD and colocated workers: tokens of one sequence (prompt with its image tokens, and output)."
+    ),
+    kv_cache_mb: int = typer.Option(
+        0, help="PD and colocated workers, vLLM engine: KV cache, MiB; 0: 64 MiB on the CPU. One sequence of "
+        "--max-model-len tokens must fit."
+    ),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
@@ -249,6 +256,7 @@ def up(
             address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir,
             keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
             log_format=log_format, drain_timeout_s=drain_timeout,
+            worker_defaults={"max_model_len": max_model_len, "kv_cache_bytes": kv_cache_mb * 2**20},
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.worker_configs()  # every setting checked before anything starts

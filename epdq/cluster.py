@@ -234,6 +234,8 @@ class Cluster:
         for role, n in (("encoder", self.spec.encoders), ("pd", self.spec.pds), ("both", self.spec.both)):
             for i in range(n):
                 kw = {"drain_timeout_s": self.spec.drain_timeout_s} | dict(self.spec.worker_defaults)
+                if role == "encoder":
+                    kw.pop("kv_cache_bytes", None)  # the LLM engines' setting: an encoder refuses it
                 kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}",
                           keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:

@@ -103,3 +103,27 @@ async def test_the_gateway_is_ready_once_it_answers_health_and_lists_its_models(
             await asyncio.wait_for(cluster._wait_http("127.0.0.1", port), 10)
         finally:
             cluster.stop(timeout=1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [(["--max-model-len", "8"], "--max-model-len must be in"), (["--kv-cache-mb", "-1"], "--kv-cache-mb (in bytes) must be")],
+)
+def test_up_checks_the_llm_engines_settings_before_anything_starts(tmp_path, flags, says):
+    from cli.main import app
+
+    res = CliRunner().invoke(app, ["up", "--address", f"ipc://{tmp_path}/b.sock", "--log-dir", str(tmp_path / "logs"), *flags])
+    assert res.exit_code == 2, res.output
+    assert says in " ".join(res.output.replace("│", " ").split())
+    assert not (tmp_path / "logs").exists()
+
+
+def test_up_gives_the_llm_engines_settings_to_pd_and_colocated_workers_only(tmp_path):
+    from epdq.cluster import Cluster
+
+    spec = ClusterSpec(address=f"ipc://{tmp_path}/b.sock", encoders=1, pds=1, both=1,
+                       worker_defaults={"max_model_len": 8192, "kv_cache_bytes": 512 << 20})  # fmt: skip
+    cfgs = dict(Cluster(spec).worker_configs())
+    assert cfgs["pd-0"].kv_cache_bytes == cfgs["both-0"].kv_cache_bytes == 512 << 20
+    assert cfgs["encoder-0"].kv_cache_bytes == 0
+    assert {c.max_model_len for c in cfgs.values()} == {8192}
