@@ -3,8 +3,9 @@
 segments whose encoder died.
 
 Layout: entries are `[64-byte header][data, padded to 64 B]`, placed anywhere in the segment at
-64-byte offsets. The header is (magic, key, generation, nbytes, fill mark); readers trust bytes only while
-that header still names the entry they were told about, checked before AND after their copy.
+64-byte offsets. The header is (magic, key, generation, nbytes, fill mark); readers trust bytes
+only while that header still names the entry they were told about, checked before AND after their
+copy.
 
 Overwrite protocol (a seqlock without a counter): the writer first sets the generation of every
 old entry that the new entry's window touches to 0, then writes the data, then the new header.

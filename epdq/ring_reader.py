@@ -5,9 +5,9 @@ A reader maps each encoder's segment once (cached per name, at most `max_segment
 reference it is given against the entry's header, and trusts bytes only while that header still
 names the entry: before and after the copy (`read`), or after the consumer's own copy (`view`, then
 `check`). An entry announced before its bytes are in is waited for (`spin`, `wait_published`)
-rather than taken as stale, or copied out as its writer's fill mark advances (`read_as_filled`). Nothing a message names is trusted: segment names must match this
-user's pattern, offsets and shapes must fit the segment, and the file must be a private one of
-this uid.
+rather than taken as stale, or copied out as its writer's fill mark advances (`read_as_filled`).
+Nothing a message names is trusted: segment names must match this user's pattern, offsets and
+shapes must fit the segment, and the file must be a private one of this uid.
 """
 
 from __future__ import annotations
