@@ -183,39 +183,48 @@ for line in sys.stdin:
 """
 
 
-def test_a_reader_waiting_on_an_announced_entry_gets_it_whole():
-    """The encoder announces an entry, then copies it in: a reader in another process that spins on
-    the header meanwhile must see "being written" until the bytes are all there, and never
-    anything else (struct's pack_into clears a header before it writes its fields: publishing
-    that way showed readers a header of zeros, taken as a replaced entry)."""
-    w = RingWriter(32 * MIN_CAPACITY, owner_tag="early")
-    p = child(_EARLY)
+def _announce_then_fill(code: str, tag: str, count: int, seed: int, lo: int, hi: int, make, pause: float) -> list[str]:
+    """As the encoder does, `count` times: reserve an entry of lo..hi float32 words, announce it to
+    a reader running `code` in another process, copy it in (after `pause` every other time, so
+    the reader is also waiting when the copy starts); the reader's answer for each."""
+    w = RingWriter(64 * MIN_CAPACITY, owner_tag=tag)
+    p = child(code)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(seed)
         answers = []
-        for i in range(300):
-            words = int(torch.randint(16 * 1024, 256 * 1024, (1,), generator=gen))
+        for i in range(count):
+            t = make(int(torch.randint(lo, hi, (1,), generator=gen)), i)
             k = secrets.token_bytes(16)
-            t = torch.full((words,), float(i))
             loc = w.reserve(k, t.nbytes)
             assert loc is not None
             p.stdin.write(describe(w, k, loc, t, fill=float(i)) + "\n")
             p.stdin.flush()
             if i % 2:
-                time.sleep(0.0002)  # also let the reader be spinning when the copy starts
+                time.sleep(pause)
             assert w.fill(k, loc.generation, t)
             answers.append(p.stdout.readline().strip())
             w.unpin(k, loc.generation)
-        assert answers == ["ok"] * 300, [a for a in answers if a != "ok"][:5]
+        return answers
     finally:
         torch.set_num_threads(threads)
         if p.poll() is None:
             p.kill()
         p.communicate(timeout=60)  # closes the pipes
         w.close()
+
+
+def test_a_reader_waiting_on_an_announced_entry_gets_it_whole():
+    """The encoder announces an entry, then copies it in: a reader in another process that spins on
+    the header meanwhile must see "being written" until the bytes are all there, and never
+    anything else (struct's pack_into clears a header before it writes its fields: publishing
+    that way showed readers a header of zeros, taken as a replaced entry)."""
+    answers = _announce_then_fill(
+        _EARLY, "early", 300, 1, 16 * 1024, 256 * 1024, lambda words, i: torch.full((words,), float(i)), 0.0002
+    )
+    assert answers == ["ok"] * 300, [a for a in answers if a != "ok"][:5]
 
 
 # For each entry announced on stdin before its bytes are in: copy it out behind the writer's fill
@@ -246,34 +255,11 @@ def test_a_reader_copying_behind_the_writer_gets_every_byte():
     """Entries of several fill chunks, announced and then copied in while a reader in another
     process copies each out as the fill mark passes: every element where it belongs (values
     distinct per position, so a chunk copied early, late or from the wrong place shows)."""
-    w = RingWriter(64 * MIN_CAPACITY, owner_tag="behind")
-    p = child(_BEHIND)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        gen = torch.Generator().manual_seed(2)
-        answers = []
-        for i in range(60):
-            words = int(torch.randint(64 * 1024, 1024 * 1024, (1,), generator=gen))  # 256 KiB to 4 MiB
-            k = secrets.token_bytes(16)
-            t = torch.arange(words, dtype=torch.float32) + i
-            loc = w.reserve(k, t.nbytes)
-            assert loc is not None
-            p.stdin.write(describe(w, k, loc, t, fill=i) + "\n")
-            p.stdin.flush()
-            if i % 2:
-                time.sleep(0.0005)  # also let the reader be waiting when the copy starts
-            assert w.fill(k, loc.generation, t)
-            answers.append(p.stdout.readline().strip())
-            w.unpin(k, loc.generation)
-        assert answers == ["ok"] * 60, [a for a in answers if a != "ok"][:5]
-    finally:
-        torch.set_num_threads(threads)
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=60)
-        w.close()
+    answers = _announce_then_fill(  # 256 KiB to 4 MiB
+        _BEHIND, "behind", 60, 2, 64 * 1024, 1024 * 1024,
+        lambda words, i: torch.arange(words, dtype=torch.float32) + i, 0.0005,
+    )  # fmt: skip
+    assert answers == ["ok"] * 60, [a for a in answers if a != "ok"][:5]
 
 
 _CRASH = r"""
