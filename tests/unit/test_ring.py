@@ -735,6 +735,19 @@ async def test_a_reader_believes_no_fill_mark_past_the_entry(writer, reader):
     assert torch.equal(await asyncio.wait_for(reader.read_as_filled(*args), 5), t)
 
 
+async def test_copying_out_ends_at_once_when_the_writer_died_mid_copy(writer, reader):
+    k = key()
+    loc = writer.reserve(k, 4096)
+    fcntl.flock(writer._fd, fcntl.LOCK_UN)  # what the kernel does when the encoder dies
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(StaleEmbeddingError, match="died"):
+        await asyncio.wait_for(
+            reader.read_as_filled(writer.name, loc.offset, 4096, k, loc.generation, torch.float32, (1024,), timeout_s=30),
+            5,
+        )
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+
+
 async def test_read_as_filled_of_a_published_entry_is_a_read(writer, reader):
     t = torch.randn(64, 16)
     k = key()
