@@ -267,7 +267,10 @@ class RingReader:
                 # the writer's own word, still bounded: a mark past the entry is not believed
                 filled = min(_GEN.unpack_from(mm, hdr + _FILLED_AT)[0], nbytes)
             else:
-                self._stale(segment, seg)
+                # `seg` may have been let go meanwhile (its encoder left: release_unlinked), its fd
+                # closed; the mapping this copy holds stays readable
+                if self._segments.get(segment) is seg:
+                    self._stale(segment, seg)
                 raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {segment} is gone")
             if filled > done:
                 _copy_tensor(dst[done:filled], src[done:filled])
@@ -307,10 +310,12 @@ class RingReader:
             if look():
                 return
             polls += 1
-            seg = self._segments.get(segment)
-            if polls % LIVENESS_POLLS == 0 and seg is not None and not _writer_alive(seg.fd):
-                self.forget(segment)
-                raise StaleEmbeddingError(f"the encoder of ring segment {segment} died while it wrote an entry")
+            if polls % LIVENESS_POLLS == 0:
+                # let go of already (its file unlinked): looked up again, which says it is gone
+                seg = self._segments.get(segment) or self._attach(segment)
+                if not _writer_alive(seg.fd):
+                    self.forget(segment)
+                    raise StaleEmbeddingError(f"the encoder of ring segment {segment} died while it wrote an entry")
         raise StaleEmbeddingError(
             f"entry {key.hex()}@{generation} in {segment} was announced but not written within {timeout_s:g} s"
         )

@@ -728,7 +728,7 @@ async def test_a_reader_believes_no_fill_mark_past_the_entry(writer, reader):
     hdr = loc.offset - HEADER_BYTES
     writer._mm[hdr + 40 : hdr + 48] = (2**64 - 1).to_bytes(8, "little")  # a writer gone wrong
     args = (writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (1024,))
-    with pytest.raises(StaleEmbeddingError, match="not written within"):  # copied within bounds, then waited
+    with pytest.raises(StaleEmbeddingError, match="not written within"):  # not taken as all there: waited
         await asyncio.wait_for(reader.read_as_filled(*args, timeout_s=0.05), 5)
     t = torch.randn(1024)
     assert writer.fill(k, loc.generation, t)
@@ -745,6 +745,50 @@ async def test_copying_out_ends_at_once_when_the_writer_died_mid_copy(writer, re
             reader.read_as_filled(writer.name, loc.offset, 4096, k, loc.generation, torch.float32, (1024,), timeout_s=30),
             5,
         )
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+
+
+async def test_an_entry_overwritten_during_the_last_copy_out_is_stale(writer, reader, monkeypatch):
+    t = torch.arange(1024, dtype=torch.float32)
+    k = key()
+    loc = writer.reserve(k, t.nbytes)
+    task = asyncio.create_task(
+        reader.read_as_filled(writer.name, loc.offset, loc.nbytes, k, loc.generation, torch.float32, (1024,))
+    )
+    await asyncio.sleep(0.005)  # the reader waits on the event loop now
+    assert writer.fill(k, loc.generation, t)
+    real = ring_reader._copy_tensor
+
+    def overwritten_meanwhile(d, s):
+        writer.clear()
+        writer.write(key(), torch.full((2048,), 7.0))  # its window taken while the reader copies
+        real(d, s)
+
+    monkeypatch.setattr(ring_reader, "_copy_tensor", overwritten_meanwhile)
+    with pytest.raises(StaleEmbeddingError):
+        await asyncio.wait_for(task, 5)
+
+
+@pytest.mark.parametrize("published", [False, True])
+async def test_copying_out_of_a_segment_let_go_meanwhile_is_stale_at_once(reader, published):
+    """The encoder leaves while a PD worker waits to copy an entry out, and the worker's heartbeat
+    lets go of the segment (release_unlinked closes its fd): stale (re-encoded), not an OSError
+    on the closed fd, and not after the whole timeout."""
+    w = RingWriter(MIN_CAPACITY, owner_tag="test")
+    k = key()
+    loc = w.reserve(k, 4096)
+    task = asyncio.create_task(
+        reader.read_as_filled(w.name, loc.offset, 4096, k, loc.generation, torch.float32, (1024,), timeout_s=30)
+    )
+    await asyncio.sleep(0.01)
+    if published:
+        assert w.fill(k, loc.generation, f32(4096))
+        w.clear()  # then gone before the reader looked again
+    w.close()
+    assert reader.release_unlinked() == [w.name]
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(StaleEmbeddingError):
+        await asyncio.wait_for(task, 5)
     assert asyncio.get_running_loop().time() - t0 < 1.0
 
 
