@@ -1,8 +1,11 @@
-"""Process facts the tests check from /proc (Linux)."""
+"""Process facts the tests check from /proc (Linux), and a bounded read of a child's line."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import subprocess
+from typing import Any
 
 
 def alive(pid: int) -> bool:
@@ -36,3 +39,16 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def readline(proc: subprocess.Popen, timeout_s: float = 60.0) -> Any:
+    """`proc.stdout.readline()`, bounded: a child that hangs before its line is killed and the
+    test fails with a clear message, instead of waiting for pytest's per-test timeout. A thread
+    reads (not select on the fd): a text-mode pipe may hold the line in its buffer already."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        line = pool.submit(proc.stdout.readline)
+        try:
+            return line.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            proc.kill()  # the read then ends (EOF), so the pool's shutdown does not wait on it
+            raise AssertionError(f"no line from pid {proc.pid} within {timeout_s:g} s") from None

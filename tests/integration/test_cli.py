@@ -17,6 +17,7 @@ import pytest
 
 from epdq.demo import demo_image
 from tests.integration.helpers import wait_stats
+from tests.procs import readline
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -74,7 +75,7 @@ def test_up_http_generate_status_and_sigterm_drains_and_stops_everything(tmp_pat
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
-            line = up.stdout.readline()
+            line = readline(up, max(1.0, deadline - time.monotonic()))
             assert line, "epdq up exited early:\n" + "".join(lines)
             lines.append(line)
             if "Ctrl-C stops everything" in line:  # the last line of the banner

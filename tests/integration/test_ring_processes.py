@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from epdq.ring import MIN_CAPACITY, SHM_DIR, RingWriter, cleanup_stale_segments
+from tests.procs import readline
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +132,7 @@ def test_reader_racing_an_overwriter_never_sees_torn_data():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        assert readline(p).strip() == "ready", p.stderr.read()
         gen = torch.Generator().manual_seed(0)
         deadline = time.monotonic() + 2.0
         written = 0
@@ -192,7 +193,7 @@ def _announce_then_fill(code: str, tag: str, count: int, seed: int, lo: int, hi:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        assert readline(p).strip() == "ready", p.stderr.read()
         gen = torch.Generator().manual_seed(seed)
         answers = []
         for i in range(count):
@@ -205,7 +206,7 @@ def _announce_then_fill(code: str, tag: str, count: int, seed: int, lo: int, hi:
             if i % 2:
                 time.sleep(pause)
             assert w.fill(k, loc.generation, t)
-            answers.append(p.stdout.readline().strip())
+            answers.append(readline(p).strip())
             w.unpin(k, loc.generation)
         return answers
     finally:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.procs import alive
+from tests.procs import alive, readline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,7 +63,7 @@ def test_a_spawned_child_with_no_plugin_loaded_ends_with_its_sigkilled_worker(tm
     child = 0
     try:
         assert proc.stdout is not None
-        child = int(proc.stdout.readline())
+        child = int(readline(proc))
         assert alive(child)
         proc.kill()
         proc.wait(10)
@@ -86,7 +86,7 @@ def _watching(env: dict[str, str], *, started: bool = True) -> subprocess.Popen:
     )
     assert proc.stdout is not None
     if started:
-        assert proc.stdout.readline() == b"watching\n"
+        assert readline(proc) == b"watching\n"
     return proc
 
 

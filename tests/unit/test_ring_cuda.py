@@ -27,6 +27,7 @@ from epdq.ring import MIN_CAPACITY, RingWriter
 from epdq.ring_cuda import EVENT_HANDLE_BYTES, CudaRingReader, CudaRingWriter, check_cuda_ring
 from epdq.worker.devices import DeviceUnavailableError, parse_device, resolve_dtype, resolve_ring
 from epdq.worker.runner import WorkerConfig
+from tests.procs import readline
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
@@ -424,7 +425,7 @@ def test_gpu_ring_shared_with_another_process_through_ipc():
                              text=True, env=env)  # fmt: skip
     r = CudaRingReader("cuda:0")
     try:
-        line = child.stdout.readline().split()
+        line = readline(child).split()
         assert line, "the encoder child printed nothing"
         reg, _ = P.decode([bytes([P.MsgType.REGISTER]), bytes.fromhex(line[0])])
         offset, nbytes, gen = map(int, line[1:])
@@ -436,7 +437,7 @@ def test_gpu_ring_shared_with_another_process_through_ipc():
         assert torch.equal(got.view(-1), want)
         child.stdin.write("overwrite\n")
         child.stdin.flush()
-        assert child.stdout.readline().strip() == "done"
+        assert readline(child).strip() == "done"
         with pytest.raises(StaleEmbeddingError):
             r.read(ref, torch.bfloat16)
     finally:

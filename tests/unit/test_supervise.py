@@ -14,7 +14,7 @@ import time
 import pytest
 
 from epdq.cluster import Child, Cluster, ClusterSpec
-from tests.procs import alive
+from tests.procs import alive, readline
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -96,7 +96,7 @@ def test_a_child_that_outstays_its_stop_is_killed_with_the_processes_it_started(
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
     try:
-        grandchild = int(proc.stdout.readline())
+        grandchild = int(readline(proc))
         cluster = Cluster(ClusterSpec(address=f"ipc://{tmp_path}/b.sock", log_dir=str(tmp_path)))
         cluster.children.append(Child("pd-0", proc, tmp_path / "pd-0.log", 0, "worker"))
         cluster.stop(timeout=0.1, now=True)  # SIGINT, ignored: killed after the 5 s floor
@@ -127,7 +127,7 @@ async def test_what_a_crashed_child_started_goes_before_it_is_started_again(tmp_
 
     def spawn(name: str, kind: str, cfg: object) -> Child:
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
-        grandchildren.append(int(proc.stdout.readline()))
+        grandchildren.append(int(readline(proc)))
         proc.stdout.close()
         child = Child(name, proc, tmp_path / f"{name}.log", 0, kind, cfg)
         cluster.children.append(child)
