@@ -27,6 +27,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.channel import Channel
+from epdq.deadlines import Deadlines
 from epdq.engines.base import PDEngine, SamplingSpec
 from epdq.errors import (
     ConfigError,
@@ -183,6 +184,9 @@ class PDWorker:
         self._tasks: dict[str, asyncio.Task] = {}  # the live run of each request
         # runs of a previous registration (see abandon), until they have left the engine
         self._abandoned: dict[asyncio.Task, str] = {}
+        # each run's deadline (PREFILL's timeout_s): one timer for all of them, made on first use
+        self._deadlines: Deadlines | None = None
+        self._expired: set[asyncio.Task] = set()  # runs cancelled by their deadline, until they end
         self.link: Any = None
         self.local_reads = 0
         self.remote_reads = 0
@@ -241,6 +245,7 @@ class PDWorker:
             log.debug("pd worker ignores %s", type(msg).__name__)
 
     def _task_done(self, rid: str, task: asyncio.Task) -> None:
+        self._expired.discard(task)
         if self._tasks.get(rid) is not task:
             self._abandoned.pop(task, None)  # abandoned: the broker hears nothing more of it
             return
@@ -263,16 +268,36 @@ class PDWorker:
         if old:
             await asyncio.wait(old)
 
+    def _expire(self, task: asyncio.Task) -> None:
+        if not task.done():
+            self._expired.add(task)
+            task.cancel()
+
     async def _run(self, msg: P.Prefill, payload: list[Any]) -> None:
         rid = msg.request_id
         t0 = time.perf_counter()
         images = len(msg.embeds) or msg.n_images
         try:
-            if not 0 < msg.timeout_s <= 86400:  # also NaN: asyncio would raise a bare ValueError
+            if not 0 < msg.timeout_s <= 86400:  # also NaN: the deadline would never come
                 raise InvalidInputError(f"timeout_s must be in (0, 86400], got {msg.timeout_s}")
-            async with asyncio.timeout(msg.timeout_s):
+            # as `asyncio.timeout(msg.timeout_s)` around the run, without a loop timer per request
+            me = asyncio.current_task()
+            deadlines = self._deadlines
+            if deadlines is None:
+                deadlines = self._deadlines = Deadlines(asyncio.get_running_loop(), self._expire)
+            deadlines.add_after(me, msg.timeout_s)
+            try:
                 await self._after_abandoned(rid)
                 tokens, finish = await self._generate(msg, payload)
+            except asyncio.CancelledError:
+                if me not in self._expired:
+                    raise  # the broker's abort, or the worker closing
+                raise TimeoutError from None
+            finally:
+                deadlines.discard(me)
+                if me in self._expired:
+                    self._expired.discard(me)
+                    me.uncancel()  # that cancellation was the deadline's, and is answered
         except asyncio.CancelledError:
             await self._abort_engine(rid)
             self._send(rid, P.PdFailed(rid, "cancelled", "aborted by the broker"))
@@ -555,6 +580,8 @@ class PDWorker:
     def close(self) -> None:
         for t in [*self._tasks.values(), *self._abandoned]:
             t.cancel()
+        if self._deadlines is not None:
+            self._deadlines.close()
         self.fetcher.close()
         self.reader.close()
         if self.cuda_reader is not None:
