@@ -19,6 +19,7 @@ def entry_span(nbytes: int) -> int:
     """Bytes an entry of `nbytes` takes in a ring: its header, the data rounded up to ALIGN."""
     return HEADER_BYTES + -(-nbytes // ALIGN) * ALIGN
 _LRU_TRIES = 4  # oldest entries whose neighbourhood is tried before a full scan
+_EARLY_END = True  # tests turn it off to check it changes no choice
 
 
 class EntryLoc(NamedTuple):
@@ -123,7 +124,15 @@ class RingSpace:
             return s
         best, best_top, best_count = None, 0, 0
         tries = 0
+        # With fewer free bytes in the whole ring than the window needs, no window is free, and
+        # none costs less than one whose only victim is the least recently unpinned entry: the
+        # first such candidate ends the search (the loop would keep it anyway, ties going to the
+        # first found). In a full ring of like-sized entries that is the first candidate, and the
+        # other seven are not looked at.
+        floor = None if _EARLY_END and cap - self.used_bytes < span else -1  # -1: no early end
         for e in self.lru.values():  # the least recently unpinned first; O(log n) each
+            if floor is None:
+                floor = e.stamp  # stamps start at 1
             if tries == _LRU_TRIES:
                 break
             tries += 1
@@ -151,6 +160,8 @@ class RingSpace:
                     count += 1
                     j += 1
                 if count >= 0 and (best is None or top < best_top or (top == best_top and count < best_count)):
+                    if top == floor and count == 1:
+                        return w
                     best, best_top, best_count = w, top, count
         return best if best is not None else self._scan(span)
 

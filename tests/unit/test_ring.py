@@ -315,6 +315,38 @@ def test_full_scan_finds_a_window_the_oldest_neighbourhoods_lack(writer):
     writer._space.check_invariants()
 
 
+@pytest.mark.parametrize("sizes", ["alike", "mixed"])
+def test_the_placement_search_ends_early_only_where_it_would_choose_the_same(monkeypatch, sizes):
+    """find_window stops at a window whose one victim is the least recently unpinned entry (when
+    no window can be free): the same window the whole search picks, in any state a writer leaves."""
+    import random
+
+    rng = random.Random(11 if sizes == "alike" else 12)
+    space = ring_space.RingSpace(64 * ALIGN * 100)
+    placed, early_ends = 0, 0
+    for n in range(4000):
+        span = 64 * ALIGN if sizes == "alike" else ALIGN * rng.choice([16, 40, 64, 100, 300])
+        monkeypatch.setattr(ring_space, "_EARLY_END", False)
+        want = space.find_window(span)
+        monkeypatch.setattr(ring_space, "_EARLY_END", True)
+        got = space.find_window(span)
+        assert got == want, (n, span)
+        early_ends += want is not None and space.capacity - space.used_bytes < span
+        if got is not None:
+            for v in space.overlapping(got, got + span):
+                space.remove(v)
+            space.add(ring_space._Entry(b"%015d" % n + b"k", n, got, span, span - HEADER_BYTES))
+            placed += 1
+        for e in list(space.order):  # most entries unpinned soon, a few held a while
+            if e.pinned and rng.random() < 0.7:
+                space.set_pinned(e, False)
+            elif not e.pinned and rng.random() < 0.05:
+                space.set_pinned(e, True)  # a cache hit pins it again
+        space.check_invariants()
+    # the case it is for was exercised (mixed sizes leave free bytes enough more often)
+    assert placed > 3000 and early_ends > (1000 if sizes == "alike" else 5)
+
+
 def test_pin_unpin_with_wrong_generation(writer):
     k = key()
     loc = writer.write(k, f32(256))
