@@ -256,9 +256,9 @@ class PDWorker:
             # until it hears (it used to leak the slot for good).
             self.link.send(P.PdFailed(rid, "cancelled", "aborted by the broker"))
 
-    def _send(self, rid: str, msg: Any) -> None:
-        """Send for the running task, if it is still the live run of `rid` (not abandoned)."""
-        if self._tasks.get(rid) is asyncio.current_task():
+    def _send(self, rid: str, msg: Any, me: asyncio.Task | None) -> None:
+        """Send for the running task `me`, if it is still the live run of `rid` (not abandoned)."""
+        if self._tasks.get(rid) is me:
             self.link.send(msg)
 
     async def _after_abandoned(self, rid: str) -> None:
@@ -277,18 +277,18 @@ class PDWorker:
         rid = msg.request_id
         t0 = time.perf_counter()
         images = len(msg.embeds) or msg.n_images
+        me = asyncio.current_task()
         try:
             if not 0 < msg.timeout_s <= 86400:  # also NaN: the deadline would never come
                 raise InvalidInputError(f"timeout_s must be in (0, 86400], got {msg.timeout_s}")
             # as `asyncio.timeout(msg.timeout_s)` around the run, without a loop timer per request
-            me = asyncio.current_task()
             deadlines = self._deadlines
             if deadlines is None:
                 deadlines = self._deadlines = Deadlines(asyncio.get_running_loop(), self._expire)
             deadlines.add_after(me, msg.timeout_s)
             try:
                 await self._after_abandoned(rid)
-                tokens, finish = await self._generate(msg, payload)
+                tokens, finish = await self._generate(msg, payload, me)
             except asyncio.CancelledError:
                 if me not in self._expired:
                     raise  # the broker's abort, or the worker closing
@@ -300,27 +300,27 @@ class PDWorker:
                     me.uncancel()  # that cancellation was the deadline's, and is answered
         except asyncio.CancelledError:
             await self._abort_engine(rid)
-            self._send(rid, P.PdFailed(rid, "cancelled", "aborted by the broker"))
-            live = self._tasks.get(rid) is asyncio.current_task()
+            self._send(rid, P.PdFailed(rid, "cancelled", "aborted by the broker"), me)
+            live = self._tasks.get(rid) is me
             self._log_end(rid, t0, images, "cancelled" if live else "abandoned", logging.INFO)
         except TimeoutError:
             await self._abort_engine(rid)
-            self._send(rid, P.PdFailed(rid, "deadline", "deadline passed on the PD worker"))
+            self._send(rid, P.PdFailed(rid, "deadline", "deadline passed on the PD worker"), me)
             self._log_end(rid, t0, images, "deadline")
         except StaleEmbeddingError as e:
             stale = [P.EntryId(r.key, r.generation) for r in msg.embeds]
-            self._send(rid, P.PdFailed(rid, e.code, e.message, stale))
+            self._send(rid, P.PdFailed(rid, e.code, e.message, stale), me)
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except EpdqError as e:
             if self.check_engine():
                 return  # no PdFailed: once we leave, the broker gives the request to another worker
-            self._send(rid, P.PdFailed(rid, e.code, e.message))
+            self._send(rid, P.PdFailed(rid, e.code, e.message), me)
             self._log_end(rid, t0, images, e.code, detail=e.message)
         except Exception as e:
             if self.check_engine():
                 return
             log.exception("request %s failed in the engine", rid, extra={"request_id": rid, "event": "pd_error"})
-            self._send(rid, P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]))
+            self._send(rid, P.PdFailed(rid, "engine", f"{type(e).__name__}: {e}"[:500]), me)
         else:
             if log.isEnabledFor(logging.DEBUG):  # the broker logs each request's end at info level
                 log.debug(
@@ -353,7 +353,7 @@ class PDWorker:
         except Exception:
             log.exception("abort of %s failed", rid)
 
-    async def _generate(self, msg: P.Prefill, payload: list[Any]) -> tuple[int, str]:
+    async def _generate(self, msg: P.Prefill, payload: list[Any], me: asyncio.Task | None) -> tuple[int, str]:
         if self.death:  # set here, not by the engine, when its caches could not be cleared
             raise EngineError(f"this worker is leaving: {self.death}")
         s = msg.sampling
@@ -395,13 +395,14 @@ class PDWorker:
                     break
                 if d.token_ids or d.text:
                     n += len(d.token_ids)
-                    self._send(msg.request_id, P.Tokens(msg.request_id, list(d.token_ids), d.text))
+                    self._send(msg.request_id, P.Tokens(msg.request_id, list(d.token_ids), d.text), me)
             if final is None:
                 raise EngineError("the engine stopped without a finish reason")
             self._send(
                 msg.request_id,
                 P.Tokens(msg.request_id, list(final.token_ids), final.text, final.finish_reason, None,
                          final.prompt_tokens),
+                me,
             )  # fmt: skip
             # One more step lets the engine's generator end by itself. Left suspended after its
             # last delta, it was closed later by the event loop's async-generator finalizer: a

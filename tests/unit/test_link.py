@@ -614,7 +614,7 @@ async def test_the_engine_stream_ends_by_itself_after_the_last_delta():
     engine = _EndRecordingEngine()
     worker, _ = _pd_worker(engine)
     try:
-        tokens, finish = await worker._generate(_prefill("r1", 2), [])
+        tokens, finish = await worker._generate(_prefill("r1", 2), [], None)
         assert (tokens, finish) == (2, "length") and engine.ends == ["ran to its end"]
     finally:
         worker.close()
@@ -624,13 +624,13 @@ async def test_the_engine_stream_is_closed_at_once_when_the_worker_leaves_it_ear
     engine = _EndRecordingEngine(deltas=5)
     worker, _ = _pd_worker(engine)
 
-    def failing_send(rid, msg):
+    def failing_send(rid, msg, me):
         raise RuntimeError("link gone")
 
     worker._send = failing_send
     try:
         with pytest.raises(RuntimeError, match="link gone"):
-            await worker._generate(_prefill("r2", 5), [])
+            await worker._generate(_prefill("r2", 5), [], None)
         assert engine.ends == ["closed at a yield"]  # now, not whenever the generator is collected
     finally:
         worker.close()
@@ -645,6 +645,6 @@ async def test_an_engine_that_fails_after_its_last_delta_does_not_fail_the_answe
 
     worker, _ = _pd_worker(FailsAfterTheEnd())
     try:
-        assert await worker._generate(_prefill("r3", 2), []) == (2, "length")
+        assert await worker._generate(_prefill("r3", 2), [], None) == (2, "length")
     finally:
         worker.close()
