@@ -31,6 +31,8 @@ _raw_get = zmq.backend.Socket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class PeerUnreachable(Exception):
@@ -136,6 +138,10 @@ class Channel:
         sock, copy = self.sock, self._copy
         for _ in range(self._batch):
             try:
+                # Asking costs ~0.9 us; a receive that finds nothing ~2.3 us (pyzmq raises Again,
+                # and the loop looks at an idle socket after every flush).
+                if not _raw_get(sock, _EVENTS) & _POLLIN:
+                    return
                 if self._peer_keys:
                     # only a Frame carries the User-Id; the identity frame is small, so copy it out
                     first = _raw_recv(sock, _NOBLOCK, False)
