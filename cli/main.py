@@ -41,6 +41,10 @@ def _root(
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 KEYS_HELP = "CURVE keys directory (default: $EPDQ_HOME/keys, made by `epdq up` / `epdq keygen`)."
 INSECURE_HELP = "Plaintext tcp instead of CURVE (loopback addresses only)."
+CPUS_HELP = (
+    "CPUs this process runs on, its ZeroMQ I/O thread included (taskset -c syntax: 0, 0-3, 0,2,4-7); "
+    "default: wherever the kernel puts it (README: CPU placement)."
+)
 
 
 def _one_address(positional: str, option: str | None) -> str:
@@ -107,6 +111,7 @@ def broker(
         30.0, help="On SIGTERM: seconds new requests are refused (busy) while those in flight finish; 0 stops "
         "at once. Ctrl-C or a second SIGTERM stops at once."
     ),
+    cpus: str = typer.Option("", help=CPUS_HELP),
 ) -> None:
     """Run the broker."""
     from epdq.broker import BrokerConfig
@@ -123,7 +128,7 @@ def broker(
             default_timeout_s=timeout, heartbeat_s=heartbeat,
             liveness=liveness, client_liveness_s=client_liveness, encode_lease_s=encode_lease,
             unpin_delay_s=unpin_delay, metrics_address=metrics, keys_dir=keys_dir, insecure=insecure, log_requests=log_requests,
-            drain_timeout_s=drain_timeout,
+            drain_timeout_s=drain_timeout, cpus=_cpu_list(cpus),
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(_flag_names(str(e))) from None
@@ -140,8 +145,26 @@ _FLAGS = {
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
     "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
     "share_by": "--share-by", "share_connections": "--share-connections", "max_model_len": "--max-model-len",
-    "kv_cache_bytes": "--kv-cache-mb (in bytes)",
+    "kv_cache_bytes": "--kv-cache-mb (in bytes)", "cpus": "--cpus",
 }  # fmt: skip
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    from epdq.cpus import parse_cpu_list
+
+    return parse_cpu_list(text) if text else ()
+
+
+def _role_cpus(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        role, eq, value = item.partition("=")
+        if not eq or not role.strip():
+            raise ValueError(f"--cpus takes ROLE=CPUS (e.g. broker=0 or pd=1-3), got {item!r}")
+        if role.strip() in out:
+            raise ValueError(f"--cpus names the {role.strip()} twice")
+        out[role.strip()] = value
+    return out
 
 
 def _flag_names(message: str) -> str:
@@ -186,6 +209,7 @@ def worker(
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
+    cpus: str = typer.Option("", help=CPUS_HELP.replace("this process", "this worker and what it starts (vLLM's engine)")),
 ) -> None:
     """Run one worker."""
     from epdq.launch import serve_worker
@@ -197,7 +221,7 @@ def worker(
             role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
             dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, fetch_advertise=fetch_advertise, threads=threads, engine=engine,
             heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure, drain_timeout_s=drain_timeout,
-            max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb * 2**20,
+            max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb * 2**20, cpus=_cpu_list(cpus),
         )  # fmt: skip
     except ValueError as e:  # also DeviceUnavailableError: e.g. --device cuda:0 on a machine without CUDA
         raise typer.BadParameter(_flag_names(str(e))) from None
@@ -238,6 +262,11 @@ def up(
         0, help="PD and colocated workers, vLLM engine: KV cache, MiB; 0: 64 MiB on the CPU. One sequence of "
         "--max-model-len tokens must fit."
     ),
+    cpus: list[str] = typer.Option(
+        [], help="ROLE=CPUS, repeatable: the CPUs the broker's, the encoders', the PD workers' or the colocated "
+        "workers' processes run on (roles broker, encoder, pd, both; taskset -c syntax, e.g. --cpus broker=0 "
+        "--cpus pd=1-3). Roles not named run wherever the kernel puts them."
+    ),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
@@ -255,7 +284,7 @@ def up(
         spec = ClusterSpec(
             address=address, encoders=encoders, pds=pds, both=both, model=model, log_dir=log_dir,
             keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
-            log_format=log_format, drain_timeout_s=drain_timeout,
+            log_format=log_format, drain_timeout_s=drain_timeout, cpus=_role_cpus(cpus),
             worker_defaults={"max_model_len": max_model_len, "kv_cache_bytes": kv_cache_mb * 2**20},
         )  # fmt: skip
         cluster = Cluster(spec)

@@ -19,6 +19,7 @@ import zmq
 
 from epdq import protocol as P
 from epdq.channel import Channel, PeerUnreachable
+from epdq.cpus import check_cpus
 from epdq.errors import BusyError, ConfigError, EpdqError, InvalidInputError, ProtocolError
 from epdq.jobs import Fail, Request, Role, SendAbort, SendEncode, SendPin, SendPrefill, SendUnpin
 from epdq.keys import security_for
@@ -87,8 +88,12 @@ class BrokerConfig:
     log_requests: bool = True
     # SIGTERM: refuse new requests (busy) and let those in flight finish, for at most this long
     drain_timeout_s: float = 30.0
+    # CPUs this process (its ZeroMQ I/O thread included) runs on; empty: wherever the kernel puts
+    # it (see epdq.cpus)
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.cpus = check_cpus(self.cpus)
         problem = endpoint_problem(self.address) or (
             host_port_problem(self.metrics_address, "metrics_address") if self.metrics_address else None
         )

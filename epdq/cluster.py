@@ -24,6 +24,7 @@ import msgspec
 
 from epdq.broker import BrokerConfig
 from epdq.client import AsyncClient
+from epdq.cpus import check_cpus, format_cpus, parse_cpu_list
 from epdq.errors import BrokerUnavailableError, ConfigError
 from epdq.keys import ensure_cluster_keys
 from epdq.transport import host_port_problem, process_endpoint_problem
@@ -51,8 +52,12 @@ class ClusterSpec:
     # stop(): the broker refuses new requests and waits for those in flight, at most this long; a
     # worker stopped on its own (a rolling restart) drains as long (unless worker_defaults says)
     drain_timeout_s: float = 10.0
+    # role (broker, encoder, pd, both) -> the CPUs its processes run on: a `taskset -c` list
+    # ("0-1,4") or CPU numbers; a role not named runs wherever the kernel puts it (epdq.cpus)
+    cpus: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.cpus = _check_cpu_map(self.cpus)
         # the broker listens here and every worker and client connects here: no wildcard
         problem = process_endpoint_problem(self.address, connect=True)
         if problem:
@@ -87,6 +92,30 @@ class ClusterSpec:
             from epdq.worker.runner import resolve_model
 
             resolve_model(self.model)
+
+
+CPU_ROLES = ("broker", "encoder", "pd", "both")
+
+
+def _check_cpu_map(cpus: dict) -> dict[str, tuple[int, ...]]:
+    if not isinstance(cpus, dict):
+        raise ValueError("cpus must map roles (broker, encoder, pd, both) to CPU lists")
+    out = {}
+    for role, value in cpus.items():
+        if role not in CPU_ROLES:
+            raise ValueError(f"cpus: {role!r} is not a role to place ({', '.join(CPU_ROLES)})")
+        try:
+            out[role] = parse_cpu_list(value) if isinstance(value, str) else check_cpus(value)
+        except ValueError as e:
+            raise ValueError(f"cpus for the {role}: {e}") from None
+        if not out[role]:
+            raise ValueError(f"cpus for the {role}: name at least one CPU (or leave the role out)")
+        # children inherit this process's set: say so now, not when one of them exits at start
+        missing = set(out[role]) - os.sched_getaffinity(0)
+        if missing:
+            raise ValueError(f"cpus for the {role}: {format_cpus(missing)} not available here "
+                             f"(this process may use {format_cpus(os.sched_getaffinity(0))})")  # fmt: skip
+    return out
 
 
 @dataclass(slots=True)
@@ -240,6 +269,8 @@ class Cluster:
                           keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:
                     kw["node"] = self.spec.nodes[role]
+                if role in self.spec.cpus:
+                    kw["cpus"] = self.spec.cpus[role]
                 out.append((f"{role}-{i}", WorkerConfig(**kw)))
         return out
 
@@ -265,6 +296,8 @@ class Cluster:
                                    drain_timeout_s=self.spec.drain_timeout_s)  # fmt: skip
         if self.spec.metrics:
             bcfg = dataclasses.replace(bcfg, metrics_address=self.spec.metrics)
+        if "broker" in self.spec.cpus:
+            bcfg = dataclasses.replace(bcfg, cpus=self.spec.cpus["broker"])
         say(f"starting broker on {self.address}")
         broker = self._spawn("broker", "broker", bcfg)
         want = {"encoder": self.spec.encoders, "pd": self.spec.pds, "both": self.spec.both}

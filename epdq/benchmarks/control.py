@@ -58,7 +58,10 @@ from epdq.benchmarks.report import (
     sigterm_unwinds,
     write_json,
 )
+from epdq.cpus import format_cpus, parse_cpu_list, pin_process
 
+PIN_ROLES = ("client", "broker", "encoder", "pd")
+HTTP_ROLE = {"broker": "proxy"}
 IMAGE_SIZE = (64, 64)
 PROMPT = "Describe this image."
 MAX_CONCURRENCY = 1024  # the broker's default queue bound: beyond it requests are refused, not measured
@@ -202,8 +205,9 @@ def _cpu_per_request_us(cpu_s: dict[str, float | None], n: int) -> dict[str, flo
 
 
 class _EpdqSystem:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None):
         self.tmp = tmp
+        self.cpus = {r: c for r, c in (cpus or {}).items() if r in ("broker", "encoder", "pd")}
         self.cluster = None
         self.client = None
 
@@ -215,6 +219,7 @@ class _EpdqSystem:
             address=f"ipc://{self.tmp}/b.sock", encoders=1, pds=1, worker_defaults={"engine": "noop"},
             log_dir=str(self.tmp / "epdq-logs"), start_timeout_s=120,
             broker=BrokerConfig(log_requests=False),  # as vLLM benchmarks run with --disable-log-requests
+            cpus=self.cpus,
         )  # fmt: skip
         self.cluster = Cluster(spec)
         await self.cluster.start()
@@ -260,16 +265,20 @@ class _EpdqSystem:
 
 
 class _HttpSystem:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None):
         from epdq.benchmarks.http_proxy import HttpBaseline
 
         self.baseline = HttpBaseline(tmp / "http-logs")
         self.session = None
+        # the proxy stands where epdq's broker does
+        self.cpus = {HTTP_ROLE.get(r, r): c for r, c in (cpus or {}).items() if r in ("broker", "encoder", "pd")}
 
     async def start(self) -> None:
         import aiohttp
 
         await self.baseline.start()
+        for role, cpus in self.cpus.items():  # uvicorn servers: pinned from outside, as taskset -a -p
+            pin_process(cpus, self.baseline.procs[role].pid)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
         )
@@ -325,6 +334,7 @@ def run(
     http: bool = True,
     warmup: int | None = None,
     rounds: int | None = None,
+    pin: dict[str, tuple[int, ...]] | None = None,
 ) -> dict:
     """Run the benchmark, print the tables, write control.json (and control.png). Returns the data.
 
@@ -332,12 +342,15 @@ def run(
     `Progress`). `warmup`: requests per system and workload before measuring (default
     max(20, requests // 10)). `rounds`: each cell's requests are measured in this many rounds, its
     systems taking turns in each (default min(4, requests)): the machine's speed drifts within a
-    run, and a drift between two long phases would be taken for a difference between systems."""
+    run, and a drift between two long phases would be taken for a difference between systems.
+    `pin`: role (client, broker, encoder, pd) -> CPUs, the same placement for both systems (the
+    HTTP proxy takes the broker's), see `parse_pin`; roles not named run where the kernel puts them."""
     conc = [int(c) for c in concurrency]
     _check_args(conc, requests, warmup, rounds)
     warm = max(20, requests // 10) if warmup is None else int(warmup)
     rounds = min(DEFAULT_ROUNDS, requests) if rounds is None else int(rounds)
-    return _run_loop(_main(conc, requests, warm, rounds, Path(out_dir), plot, progress, http))
+    pin = check_pin(pin or {})
+    return _run_loop(_main(conc, requests, warm, rounds, Path(out_dir), plot, progress, http, pin))
 
 
 def _check_args(conc: list[int], requests: int, warmup: int | None, rounds: int | None = None) -> None:
@@ -355,6 +368,47 @@ def _check_args(conc: list[int], requests: int, warmup: int | None, rounds: int 
         raise ValueError(f"at most {MAX_IMAGES:,} fresh images per run (warm-up + requests x concurrency levels: "
                          f"{warm:,} + {requests:,} x {len(conc)} = {n:,}), made before it starts; "
                          "lower --requests or give fewer levels")  # fmt: skip
+
+
+def parse_pin(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """`--pin` values: ROLE=CPUS (roles client, broker, encoder, pd, or all for every role not
+    named; CPUS as `taskset -c`) -> role -> CPUs. ValueError for anything else."""
+    out: dict[str, tuple[int, ...]] = {}
+    rest: tuple[int, ...] | None = None
+    for item in items:
+        role, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--pin takes ROLE=CPUS (e.g. all=0 or broker=1), got {item!r}")
+        if role != "all" and role not in PIN_ROLES:
+            raise ValueError(f"--pin: {role!r} is not a role ({', '.join(PIN_ROLES)} or all)")
+        if role in out or (role == "all" and rest is not None):
+            raise ValueError(f"--pin names {role} twice")
+        cpus = parse_cpu_list(value)
+        if role == "all":
+            rest = cpus
+        else:
+            out[role] = cpus
+    if rest is not None:
+        out = {r: out.get(r, rest) for r in PIN_ROLES}
+    return check_pin(out)
+
+
+def check_pin(pin: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    allowed = os.sched_getaffinity(0)
+    for role, cpus in pin.items():
+        if role not in PIN_ROLES:
+            raise ValueError(f"pin: {role!r} is not a role ({', '.join(PIN_ROLES)})")
+        if not cpus or set(cpus) - allowed:
+            raise ValueError(f"pin: cpus {format_cpus(set(cpus) - allowed) or '(none)'} for the {role} not available "
+                             f"here (this process may use {format_cpus(allowed)})")  # fmt: skip
+    return {r: tuple(sorted(pin[r])) for r in PIN_ROLES if r in pin}
+
+
+def placement(pin: dict[str, tuple[int, ...]]) -> str:
+    """One line for the tables and the JSON: where each role ran."""
+    if not pin:
+        return "wherever the kernel put them (no --pin)"
+    return ", ".join(f"{r} {format_cpus(pin[r])}" if r in pin else f"{r} free" for r in PIN_ROLES)
 
 
 def _run_loop(coro):
@@ -393,7 +447,8 @@ def _turns(systems: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
     return systems[k:] + systems[:k]
 
 
-async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, http) -> dict:
+async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, http, pin=None) -> dict:
+    pin = pin or {}
     n_phases = sum(len(systems) for _, systems in _cells(conc, http))
     n_warm_phases = 3 + (4 if http else 0)  # epdq miss/hit/text, 2 variants x image/text
     total = n_phases * requests + n_warm_phases * warm
@@ -412,12 +467,15 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="epdq-bench-control-") as td:
         tmp = Path(td)
-        ep = _EpdqSystem(tmp)
-        hp = _HttpSystem(tmp) if http else None
+        ep = _EpdqSystem(tmp, pin)
+        hp = _HttpSystem(tmp, pin) if http else None
+        own_cpus = os.sched_getaffinity(0)
         try:
             await ep.start()
             if hp is not None:
                 await hp.start()
+            # the client last: the servers started before it would have inherited its set
+            pin_process(pin.get("client", ()))
             top = max(conc)
             # warm-up: every system and workload, at the highest concurrency, before measuring
             for wl in ("miss", "hit", "text"):
@@ -453,6 +511,8 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
             try:
                 await ep.stop()
             finally:
+                if pin.get("client"):
+                    pin_process(tuple(own_cpus), widen=True)  # this process may go on to other work (a test run)
                 if hp is not None:
                     await hp.stop()
     info["elapsed_s"] = time.perf_counter() - t_start
@@ -460,6 +520,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
     ratios = ratios_to_proxy(results) if http else []
     targets = targets_judged(results, ratios, conc)
     print_tables(results, ratios, targets, requests)
+    print(f"\nplacement: {placement(pin)}")
 
     data = {
         "config": {
@@ -467,6 +528,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
             "image_bytes_mean": sum(map(len, images.items)) / max(1, len(images.items)), "max_tokens": 1,
             "http": http, "epdq": "broker + 1 encoder + 1 PD worker (processes, no-op engines), ipc, one AsyncClient",
             "http_baseline": "uvicorn: no-op encoder, no-op PD, FastAPI+aiohttp proxy (3 processes); aiohttp client",
+            "pin": {r: list(c) for r, c in pin.items()}, "placement": placement(pin),
         },
         "results": results,
         "ratios": ratios,
@@ -511,17 +573,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
     ap.add_argument("--no-plot", action="store_true", help="no control.png (an older one in --out is removed)")
     ap.add_argument("--no-http", action="store_true", help="epdq only (no HTTP baseline)")
     ap.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
+    ap.add_argument("--pin", nargs="+", default=[], metavar="ROLE=CPUS",
+                    help="run each role's processes on these CPUs, the same for both systems (roles client, broker "
+                    "-- the HTTP proxy for the baseline --, encoder, pd, or all; CPUS as taskset -c), e.g. --pin all=0 "
+                    "or --pin client=0 broker=1 encoder=0 pd=1; default: wherever the kernel puts them")  # fmt: skip
     a = ap.parse_args(argv)
     # a level given twice would run its "miss" phase on the images of the first: all cache hits
     a.concurrency = list(dict.fromkeys(a.concurrency))
     try:
         _check_args(a.concurrency, a.requests, a.warmup, a.rounds)
+        pin = parse_pin(a.pin)
         check_out_dir(a.out, ("control.json", "control.png"))
     except ValueError as e:
         ap.error(str(e))
     with sigterm_unwinds():  # the cluster and the HTTP servers stopped, the temporary directory removed
         run(concurrency=a.concurrency, requests=a.requests, out_dir=a.out, plot=not a.no_plot,
-            progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup, rounds=a.rounds)  # fmt: skip
+            progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup, rounds=a.rounds, pin=pin)  # fmt: skip
     return 0
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from epdq import protocol as P
+from epdq.cpus import check_cpus
 from epdq.engines import SUPPORTED_MODEL_TYPES
 from epdq.errors import ConfigError, EngineError
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
@@ -65,8 +66,12 @@ class WorkerConfig:
     # SIGTERM: tell the broker to send nothing new and finish what is in hand, for at most this
     # long, before leaving (0: leave at once; what had not streamed is re-queued elsewhere)
     drain_timeout_s: float = 30.0
+    # CPUs this process and what it starts (vLLM's engine core) run on; empty: wherever the
+    # kernel puts them (see epdq.cpus)
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.cpus = check_cpus(self.cpus)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         problem = process_endpoint_problem(self.broker, connect=True) or (

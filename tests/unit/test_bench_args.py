@@ -22,6 +22,12 @@ BAD_ARGS = [
     ("control", ["--concurrency", "1", "0"], "concurrency values must be 1..1024"),
     ("control", ["--concurrency", "5000"], "concurrency values must be 1..1024"),
     ("control", ["--warmup", "-1"], "warmup must be >= 0"),
+    ("control", ["--pin", "gpu=0"], "--pin: 'gpu' is not a role (client, broker, encoder, pd or all)"),
+    ("control", ["--pin", "0"], "--pin takes ROLE=CPUS"),
+    ("control", ["--pin", "all=0", "all=0"], "--pin names all twice"),
+    ("control", ["--pin", "pd=0", "pd=0"], "--pin names pd twice"),
+    ("control", ["--pin", "pd=1-0"], "CPU range '1-0' runs backwards"),
+    ("control", ["--pin", "pd=4095"], "pin: cpus 4095 for the pd not available here"),
     # no upper bound: --requests 2000000000 grew ~6 MB/s making images before anything ran
     ("control", ["--requests", "2000000000"], "at most 1,000,000 per phase"),
     ("control", ["--warmup", "2000000000"], "warmup must be >= 0 and at most 1,000,000"),
@@ -182,3 +188,18 @@ def test_json_records_the_run_metadata(tmp_path):
     env = json.loads(write_json(tmp_path / "x.json", "x", {}).read_text())["environment"]
     assert env["epdq"] == __version__ and env["python"] and isinstance(env["argv"], list)
     assert "torch" in env and "cpu_model" in env
+
+
+def test_pin_places_every_role_named_and_all_the_others():
+    from epdq.benchmarks.control import parse_pin, placement
+
+    first = min(os.sched_getaffinity(0))
+    assert parse_pin([]) == {}
+    assert parse_pin([f"broker={first}"]) == {"broker": (first,)}
+    assert parse_pin([f"all={first}"]) == {r: (first,) for r in ("client", "broker", "encoder", "pd")}
+    # all= fills the roles not named, wherever it stands
+    everything = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    got = parse_pin([f"pd={everything}", f"all={first}"])
+    assert got["pd"] == tuple(sorted(os.sched_getaffinity(0))) and got["client"] == (first,)
+    assert placement({}) == "wherever the kernel put them (no --pin)"
+    assert placement({"broker": (first,)}) == f"client free, broker {first}, encoder free, pd free"
