@@ -94,6 +94,9 @@ def _when(data: dict[str, Any]) -> str:
     # both speeds: a slow Python loop and slow memory move different targets (2026-12-03)
     loop, copy = speed.get("python_loop_ns"), speed.get("memcpy_gb_s")
     parts = [f"loop {loop:.0f} ns" if _num(loop) else "", f"memcpy {copy:.1f} GB/s" if _num(copy) else ""]
+    cfg = data.get("config") if isinstance(data.get("config"), dict) else {}
+    if cfg.get("pin") and isinstance(cfg.get("placement"), str):  # a placement the run was given (--pin)
+        parts.append(f"pinned: {cfg['placement'][:80]}")
     out = t.replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
     shown = ", ".join(p for p in parts if p)
     return f"{out} ({shown})" if shown else out

@@ -189,3 +189,17 @@ def test_an_unreadable_file_is_named(tmp_path, capsys, monkeypatch):
     assert summary.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "scale.json: cannot be read: Permission denied" in err and "Traceback" not in err
+
+
+def test_a_run_given_a_placement_says_so_beside_its_figures(tmp_path, capsys):
+    # a --pin run judged like a free one would pass for what the kernel's placement gives
+    data = _control(True)
+    data["config"] = {"pin": {"client": [0], "broker": [0]}, "placement": "client 0, broker 0, encoder free, pd free"}
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    summary.main([str(tmp_path)])
+    row = _rows(capsys)["epdq hit req/s at 32"]
+    assert row[5].endswith("pinned: client 0, broker 0, encoder free, pd free)"), row
+    data["config"] = {"pin": {}, "placement": "wherever the kernel put them (no --pin)"}
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    summary.main([str(tmp_path)])
+    assert "pinned" not in _rows(capsys)["epdq hit req/s at 32"][5]
