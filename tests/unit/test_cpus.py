@@ -152,3 +152,35 @@ def test_every_thread_is_pinned_the_zmq_io_thread_included():
     assert all(sets == [[FIRST]] * len(sets) for sets in pinned.values()), pinned
     assert "4095 not available" in res["refused"]
     assert all(sets == [list(ALL)] * len(sets) for sets in res["restored"].values()), res["restored"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["broker", "--address", "ipc:///nonexistent-epdq-dir/b.sock", "--cpus", "1-0"], "CPU range '1-0' runs backwards"),
+     (["worker", "--role", "pd", "--engine", "noop", "--cpus", "x"], "'x' in CPU list 'x' is not a CPU number"),
+     (["up", "--cpus", "gpu=0"], "--cpus: 'gpu' is not a role to place"),
+     (["up", "--cpus", "0"], "--cpus takes ROLE=CPUS"),
+     (["up", "--cpus", "pd=4095"], "--cpus for the pd: 4095 not available here")],
+)  # fmt: skip
+def test_a_bad_placement_is_a_usage_error_before_anything_starts(argv, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    if 4095 in os.sched_getaffinity(0):
+        pytest.skip("CPU 4095 is usable here")
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.replace("│", " ").split())  # the usage box may wrap the line
+    assert message in text, text
+
+
+def test_a_process_told_to_use_a_cpu_it_may_not_exits_2_saying_which(tmp_path):
+    if 4095 in os.sched_getaffinity(0):
+        pytest.skip("CPU 4095 is usable here")
+    cfg = json.dumps({"address": f"ipc://{tmp_path}/b.sock", "cpus": [4095]})
+    proc = subprocess.run([sys.executable, "-m", "epdq.launch", "broker", cfg], capture_output=True, text=True,
+                          timeout=30, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "cpus 4095 not available to this process" in proc.stderr and "(config)" in proc.stderr
+    assert not (tmp_path / "b.sock").exists()  # refused before it bound anything
