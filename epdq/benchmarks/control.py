@@ -398,8 +398,10 @@ def check_pin(pin: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     for role, cpus in pin.items():
         if role not in PIN_ROLES:
             raise ValueError(f"pin: {role!r} is not a role ({', '.join(PIN_ROLES)})")
-        if not cpus or set(cpus) - allowed:
-            raise ValueError(f"pin: cpus {format_cpus(set(cpus) - allowed) or '(none)'} for the {role} not available "
+        if not cpus:
+            raise ValueError(f"pin: give the {role} at least one CPU (or leave it out)")
+        if set(cpus) - allowed:
+            raise ValueError(f"pin: cpus {format_cpus(set(cpus) - allowed)} for the {role} not available "
                              f"here (this process may use {format_cpus(allowed)})")  # fmt: skip
     return {r: tuple(sorted(pin[r])) for r in PIN_ROLES if r in pin}
 

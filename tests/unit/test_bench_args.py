@@ -203,3 +203,14 @@ def test_pin_places_every_role_named_and_all_the_others():
     assert got["pd"] == tuple(sorted(os.sched_getaffinity(0))) and got["client"] == (first,)
     assert placement({}) == "wherever the kernel put them (no --pin)"
     assert placement({"broker": (first,)}) == f"client free, broker {first}, encoder free, pd free"
+
+
+def test_pin_given_through_the_api_is_checked_too():
+    from epdq.benchmarks.control import check_pin
+
+    with pytest.raises(ValueError, match="give the pd at least one CPU"):
+        check_pin({"pd": ()})
+    with pytest.raises(ValueError, match="'gpu' is not a role"):
+        check_pin({"gpu": (0,)})
+    first = min(os.sched_getaffinity(0))
+    assert check_pin({"pd": [first], "client": (first,)}) == {"client": (first,), "pd": (first,)}
