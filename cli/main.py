@@ -263,8 +263,8 @@ def up(
         "--max-model-len tokens must fit."
     ),
     cpus: list[str] = typer.Option(
-        [], help="ROLE=CPUS, repeatable: the CPUs the broker's, the encoders', the PD workers' or the colocated "
-        "workers' processes run on (roles broker, encoder, pd, both; taskset -c syntax, e.g. --cpus broker=0 "
+        [], help="ROLE=CPUS, repeatable: the CPUs the broker's, the encoders', the PD workers', the colocated "
+        "workers' or the HTTP gateway's processes run on (roles broker, encoder, pd, both, gateway; taskset -c syntax, e.g. --cpus broker=0 "
         "--cpus pd=1-3). Roles not named run wherever the kernel puts them."
     ),
 ) -> None:
@@ -488,6 +488,7 @@ def serve_http(
     keys_dir: str = typer.Option("", help=KEYS_HELP),
     insecure: bool = typer.Option(False, help=INSECURE_HELP),
     log_format: str = typer.Option("text", help="text or json"),
+    cpus: str = typer.Option("", help=CPUS_HELP),
 ) -> None:
     """OpenAI-compatible HTTP gateway (/v1/chat/completions, /v1/models, /health, /metrics)."""
     from epdq.gateway import GatewayConfig, run
@@ -499,7 +500,7 @@ def serve_http(
             max_image_bytes=_mib(max_image_mb, "--max-image-mb"),
             max_images=max_images,
             request_timeout_s=timeout, default_max_tokens=default_max_tokens, keys_dir=keys_dir, insecure=insecure,
-            share_by=share_by, share_connections=share_connections, log_format=log_format,
+            share_by=share_by, share_connections=share_connections, log_format=log_format, cpus=_cpu_list(cpus),
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(_flag_names(str(e))) from None

@@ -52,12 +52,14 @@ class ClusterSpec:
     # stop(): the broker refuses new requests and waits for those in flight, at most this long; a
     # worker stopped on its own (a rolling restart) drains as long (unless worker_defaults says)
     drain_timeout_s: float = 10.0
-    # role (broker, encoder, pd, both) -> the CPUs its processes run on: a `taskset -c` list
+    # role (broker, encoder, pd, both, gateway) -> the CPUs its processes run on: a `taskset -c` list
     # ("0-1,4") or CPU numbers; a role not named runs wherever the kernel puts it (epdq.cpus)
     cpus: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cpus = _check_cpu_map(self.cpus)
+        if "gateway" in self.cpus and not self.http:
+            raise ValueError("cpus places the gateway, but no gateway is started (http, --http for epdq up, is empty)")
         # the broker listens here and every worker and client connects here: no wildcard
         problem = process_endpoint_problem(self.address, connect=True)
         if problem:
@@ -94,12 +96,12 @@ class ClusterSpec:
             resolve_model(self.model)
 
 
-CPU_ROLES = ("broker", "encoder", "pd", "both")
+CPU_ROLES = ("broker", "encoder", "pd", "both", "gateway")
 
 
 def _check_cpu_map(cpus: dict) -> dict[str, tuple[int, ...]]:
     if not isinstance(cpus, dict):
-        raise ValueError("cpus must map roles (broker, encoder, pd, both) to CPU lists")
+        raise ValueError(f"cpus must map roles ({', '.join(CPU_ROLES)}) to CPU lists")
     out = {}
     for role, value in cpus.items():
         if role not in CPU_ROLES:
@@ -315,6 +317,8 @@ class Cluster:
             host, port = _split_host_port(self.spec.http)
             gcfg = dict(self.spec.http_options, broker_address=self.address, host=host, port=port,
                         keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
+            if "gateway" in self.spec.cpus:
+                gcfg["cpus"] = self.spec.cpus["gateway"]
             say(f"starting the HTTP gateway on {self.http_url}")
             self._spawn("gateway", "gateway", gcfg)
             await self._wait_http(host, port)

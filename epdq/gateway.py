@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from epdq.chat_request import HTTPError, http_error, parse_request, sampling_kwargs, to_epdq_messages
 from epdq.client import MAX_TIMEOUT_S
+from epdq.cpus import check_cpus
 from epdq.errors import BrokerUnavailableError, ConfigError, DeadlineExceededError, EpdqError
 from epdq.gateway_clients import BrokerConnections, check_share
 from epdq.media import MAX_IMAGE_BYTES_LIMIT
@@ -74,8 +75,10 @@ class GatewayConfig:
     share_connections: int = 8
     log_level: str = "info"
     log_format: str = "text"  # or "json": one object per line (the CLI entry point sets logging up)
+    cpus: tuple[int, ...] = ()  # CPUs this process runs on (epdq.cpus); empty: wherever the kernel puts it
 
     def __post_init__(self) -> None:
+        self.cpus = check_cpus(self.cpus)
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
         if self.max_body_bytes < 1:
@@ -595,10 +598,12 @@ def run(config: GatewayConfig) -> None:
 
     SIGTERM stops the gateway gracefully and the process exits 0, as every epdq process does
     after a drain (`epdq up` restarts such a child without counting it as a crash)."""
+    from epdq.cpus import pin_process
     from epdq.launch import keep_large_buffers
     from epdq.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    pin_process(config.cpus)  # before the broker connections' ZeroMQ context and uvicorn start threads
     keep_large_buffers()  # request bodies and the images in them: up to tens of MiB each
     from epdq.client import AsyncClient
 

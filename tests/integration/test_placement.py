@@ -43,6 +43,17 @@ async def test_each_role_runs_on_its_cpus_and_serves(tmp_path):
         assert len(out.token_ids) == 4
 
 
+async def test_the_gateway_runs_on_its_cpus(tmp_path, unused_tcp_port):
+    pytest.importorskip("fastapi")
+    spec = noop_spec(tmp_path, http=f"127.0.0.1:{unused_tcp_port}", cpus={"gateway": str(LAST)})
+    async with Cluster(spec) as cluster:
+        gateway = next(c for c in cluster.children if c.name == "gateway")
+        sets = thread_sets(gateway.proc.pid)
+        assert len(sets) >= 2 and all(s == {LAST} for s in sets.values()), sets
+        broker = next(c for c in cluster.children if c.name == "broker")
+        assert all(s == set(CPUS) for s in thread_sets(broker.proc.pid).values())
+
+
 def test_the_control_benchmark_places_both_systems_alike(tmp_path, monkeypatch):
     pytest.importorskip("fastapi")
     pytest.importorskip("aiohttp")

@@ -51,6 +51,11 @@ def test_cpu_sets_are_written_back_shortest():
 
 
 def test_configs_carry_a_validated_cpu_set():
+    from epdq.gateway import GatewayConfig
+
+    assert GatewayConfig("ipc:///tmp/x.sock", cpus=[1, 0]).cpus == (0, 1)
+    with pytest.raises(ValueError, match="twice"):
+        GatewayConfig("ipc:///tmp/x.sock", cpus=(0, 0))
     assert BrokerConfig(address="ipc:///tmp/x.sock").cpus == ()
     assert BrokerConfig(address="ipc:///tmp/x.sock", cpus=[1, 0]).cpus == (0, 1)
     with pytest.raises(ValueError, match="twice"):
@@ -79,7 +84,8 @@ def test_a_cluster_places_each_role(tmp_path):
 @pytest.mark.parametrize(
     "cpus, match",
     [({"gpu": "0"}, "not a role"), ({"pd": ""}, "at least one CPU"), ({"pd": []}, "at least one CPU"),
-     ({"pd": "1-0"}, "backwards"), ({"pd": str(MAX_CPU)}, "not available here"), (["pd"], "map roles")],
+     ({"pd": "1-0"}, "backwards"), ({"pd": str(MAX_CPU)}, "not available here"), (["pd"], "map roles"),
+     ({"gateway": "0"}, "no gateway is started")],
 )  # fmt: skip
 def test_a_cluster_refuses_bad_placements_before_starting(tmp_path, cpus, match):
     with pytest.raises(ValueError, match=match):
@@ -160,6 +166,8 @@ def test_every_thread_is_pinned_the_zmq_io_thread_included():
      (["worker", "--role", "pd", "--engine", "noop", "--cpus", "x"], "'x' in CPU list 'x' is not a CPU number"),
      (["up", "--cpus", "gpu=0"], "--cpus: 'gpu' is not a role to place"),
      (["up", "--cpus", "0"], "--cpus takes ROLE=CPUS"),
+     (["up", "--cpus", "gateway=0"], "--cpus places the gateway, but no gateway is started"),
+     (["serve-http", "--cpus", "0-"], "'0-' in CPU list '0-' is not a CPU number"),
      (["up", "--cpus", "pd=4095"], "--cpus for the pd: 4095 not available here")],
 )  # fmt: skip
 def test_a_bad_placement_is_a_usage_error_before_anything_starts(argv, message):
