@@ -13,10 +13,13 @@ every thread it makes, and every process it starts (vLLM's engine core), inherit
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 from epdq.errors import ConfigError
+
+log = logging.getLogger("epdq.cpus")
 
 MAX_CPU = 4095  # the highest CPU number accepted (Linux's default NR_CPUS is lower)
 MAX_TEXT = 256  # characters of a CPU list
@@ -96,3 +99,10 @@ def pin_process(cpus: tuple[int, ...], pid: int = 0, *, widen: bool = False) -> 
             pass  # a thread that ended meanwhile
         except OSError as e:
             raise ConfigError(f"cannot pin to cpus {format_cpus(want)}: {e.strerror or e}") from None
+
+
+def place_this_process(cpus: tuple[int, ...], name: str) -> None:
+    """`pin_process` for this process at its start, said in its log (nothing when `cpus` is empty)."""
+    pin_process(cpus)
+    if cpus:
+        log.info("%s runs on cpus %s", name, format_cpus(cpus), extra={"event": "placed", "cpus": format_cpus(cpus)})

@@ -598,12 +598,12 @@ def run(config: GatewayConfig) -> None:
 
     SIGTERM stops the gateway gracefully and the process exits 0, as every epdq process does
     after a drain (`epdq up` restarts such a child without counting it as a crash)."""
-    from epdq.cpus import pin_process
+    from epdq.cpus import place_this_process
     from epdq.launch import keep_large_buffers
     from epdq.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
-    pin_process(config.cpus)  # before the broker connections' ZeroMQ context and uvicorn start threads
+    place_this_process(config.cpus, "gateway")  # before the broker connections' ZeroMQ context and uvicorn start threads
     keep_large_buffers()  # request bodies and the images in them: up to tens of MiB each
     from epdq.client import AsyncClient
 

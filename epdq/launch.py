@@ -77,9 +77,9 @@ def _install_stop(stop: asyncio.Event, stop_now: asyncio.Event) -> None:
 
 async def serve_broker(cfg) -> None:
     from epdq.broker import Broker
-    from epdq.cpus import pin_process
+    from epdq.cpus import place_this_process
 
-    pin_process(cfg.cpus)  # before the ZeroMQ context: its I/O thread inherits the set
+    place_this_process(cfg.cpus, "broker")  # before the ZeroMQ context: its I/O thread inherits the set
     keep_large_buffers()
     broker = Broker(cfg)
     broker.bind()
@@ -99,10 +99,10 @@ async def serve_broker(cfg) -> None:
 
 
 async def serve_worker(cfg) -> None:
-    from epdq.cpus import pin_process
+    from epdq.cpus import place_this_process
     from epdq.worker.runner import run_worker
 
-    pin_process(cfg.cpus)  # before the ZeroMQ context and the engine: their threads inherit the set
+    place_this_process(cfg.cpus, f"{cfg.role} worker")  # before the ZeroMQ context and the engine: their threads inherit the set
     keep_large_buffers()
     stop, stop_now = asyncio.Event(), asyncio.Event()
     _install_stop(stop, stop_now)

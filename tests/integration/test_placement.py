@@ -41,6 +41,10 @@ async def test_each_role_runs_on_its_cpus_and_serves(tmp_path):
         async with AsyncClient(cluster.address, timeout=30) as c:
             out = await c.generate("Describe this.", images=[demo_image(3, (64, 64))], max_tokens=4)
         assert len(out.token_ids) == 4
+        logs = {c.name: c.tail(200) for c in cluster.children}
+    assert f"broker runs on cpus {FIRST}" in logs["broker"]
+    assert f"encoder worker runs on cpus {LAST}" in logs["encoder-0"]
+    assert "runs on cpus" not in logs["pd-0"]
 
 
 async def test_the_gateway_runs_on_its_cpus(tmp_path, unused_tcp_port):
