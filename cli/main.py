@@ -624,9 +624,45 @@ def _say_fatal(e: EpdqError) -> None:
     typer.echo(formatter.format(record), err=True)
 
 
+def _json_logs_asked(argv: list[str]) -> bool:
+    return "--log-format=json" in argv or any(
+        a == "--log-format" and argv[i + 1 : i + 2] == ["json"] for i, a in enumerate(argv)
+    )
+
+
+def _run_app_for_json_logs() -> None:
+    """As `app()`, but a usage error (a bad flag or value, exit 2) is one JSON object on stderr
+    like every other line of a process asked for JSON logs, not a text box a log pipeline drops."""
+    from typer.exceptions import TyperException
+
+    from epdq.logs import JsonFormatter
+
+    try:
+        rc = app(standalone_mode=False)
+    except typer.Abort:  # Ctrl-C outside a command's own handling, as click says it
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    except TyperException as e:  # typer's own click: a usage error, a bad parameter
+        if not hasattr(e, "format_message"):
+            raise
+        import logging
+
+        record = logging.LogRecord("epdq", logging.ERROR, __file__, 0, e.format_message(), None, None)
+        record.event, record.code = "usage", "usage"
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None:
+            record.command = ctx.command_path
+        typer.echo(JsonFormatter().format(record), err=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
 def main() -> None:
     try:
-        app()
+        if _json_logs_asked(sys.argv[1:]):
+            _run_app_for_json_logs()
+        else:
+            app()
     except EpdqError as e:  # configuration problems, an unreachable broker: one clear line
         _say_fatal(e)
         sys.exit(exit_code(e))

@@ -65,3 +65,30 @@ def test_a_worker_whose_engine_died_says_so_in_json(monkeypatch, tmp_path, root_
     assert res.exit_code == 1, res.output
     fatal = json.loads(res.output.splitlines()[-1])
     assert (fatal["event"], fatal["code"]) == ("fatal", "engine") and fatal["msg"].startswith("the engine died")
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [(["broker", "--log-format", "json", "--max-queued", "0"], "Invalid value: --max-queued must be >= 1, got 0"),
+     (["broker", "--log-format=json", "--bogus"], "No such option: --bogus"),
+     (["up", "--cpus", "gpu=0", "--log-format", "json"], "--cpus: 'gpu' is not a role to place")],
+)  # fmt: skip
+def test_with_json_logs_a_usage_error_is_a_json_object_too(argv, msg):
+    # it was typer's text box: the one line of such a run that a JSON log pipeline dropped
+    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=50)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.splitlines()
+    err = json.loads(line)
+    assert err["level"] == "error" and err["event"] == "usage" and err["code"] == "usage"
+    assert msg in err["msg"], err
+    assert err["command"].endswith(f" {argv[0]}"), err
+
+
+def test_with_json_logs_help_and_plain_exits_are_untouched():
+    res = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--log-format", "json", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert res.returncode == 0 and "Usage:" in res.stdout and res.stderr == ""
+    text = subprocess.run([sys.executable, "-m", "cli.main", "broker", "--max-queued", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert text.returncode == 2 and "Invalid value" in text.stderr and not text.stderr.lstrip().startswith("{")
