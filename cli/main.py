@@ -619,9 +619,16 @@ def _say_fatal(e: EpdqError) -> None:
     if formatter is None:
         typer.echo(f"error ({e.code}): {e.message}", err=True)
         return
-    record = logging.LogRecord("epdq", logging.ERROR, __file__, 0, e.message, None, None)
-    record.event, record.code = "fatal", e.code
-    typer.echo(formatter.format(record), err=True)
+    typer.echo(_json_error(formatter, e.message, event="fatal", code=e.code), err=True)
+
+
+def _json_error(formatter, message: str, **fields: str) -> str:
+    """One error line as the process's JSON logs write theirs."""
+    import logging
+
+    record = logging.LogRecord("epdq", logging.ERROR, __file__, 0, message, None, None)
+    record.__dict__.update(fields)
+    return formatter.format(record)
 
 
 def _json_logs_asked(argv: list[str]) -> bool:
@@ -645,14 +652,9 @@ def _run_app_for_json_logs() -> None:
     except TyperException as e:  # typer's own click: a usage error, a bad parameter
         if not hasattr(e, "format_message"):
             raise
-        import logging
-
-        record = logging.LogRecord("epdq", logging.ERROR, __file__, 0, e.format_message(), None, None)
-        record.event, record.code = "usage", "usage"
         ctx = getattr(e, "ctx", None)
-        if ctx is not None:
-            record.command = ctx.command_path
-        typer.echo(JsonFormatter().format(record), err=True)
+        where = {"command": ctx.command_path} if ctx is not None else {}
+        typer.echo(_json_error(JsonFormatter(), e.format_message(), event="usage", code="usage", **where), err=True)
         sys.exit(getattr(e, "exit_code", 2))
     sys.exit(rc if isinstance(rc, int) else 0)
 

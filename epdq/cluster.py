@@ -113,10 +113,11 @@ def _check_cpu_map(cpus: dict) -> dict[str, tuple[int, ...]]:
         if not out[role]:
             raise ValueError(f"cpus for the {role}: name at least one CPU (or leave the role out)")
         # children inherit this process's set: say so now, not when one of them exits at start
-        missing = set(out[role]) - os.sched_getaffinity(0)
+        allowed = os.sched_getaffinity(0)
+        missing = set(out[role]) - allowed
         if missing:
             raise ValueError(f"cpus for the {role}: {format_cpus(missing)} not available here "
-                             f"(this process may use {format_cpus(os.sched_getaffinity(0))})")  # fmt: skip
+                             f"(this process may use {format_cpus(allowed)})")  # fmt: skip
     return out
 
 

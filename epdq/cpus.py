@@ -59,18 +59,13 @@ def check_cpus(cpus: tuple[int, ...] | list[int], name: str = "cpus") -> tuple[i
 
 def format_cpus(cpus: tuple[int, ...] | set[int] | frozenset[int]) -> str:
     """The shortest `taskset -c` form: (0, 1, 2, 5) -> "0-2,5"."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def pin_process(cpus: tuple[int, ...], pid: int = 0, *, widen: bool = False) -> None:

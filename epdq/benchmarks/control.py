@@ -61,6 +61,7 @@ from epdq.benchmarks.report import (
 from epdq.cpus import format_cpus, parse_cpu_list, pin_process
 
 PIN_ROLES = ("client", "broker", "encoder", "pd")
+SERVER_ROLES = PIN_ROLES[1:]  # the system's own processes (the client is this one)
 HTTP_ROLE = {"broker": "proxy"}
 IMAGE_SIZE = (64, 64)
 PROMPT = "Describe this image."
@@ -207,7 +208,7 @@ def _cpu_per_request_us(cpu_s: dict[str, float | None], n: int) -> dict[str, flo
 class _EpdqSystem:
     def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None):
         self.tmp = tmp
-        self.cpus = {r: c for r, c in (cpus or {}).items() if r in ("broker", "encoder", "pd")}
+        self.cpus = {r: c for r, c in (cpus or {}).items() if r in SERVER_ROLES}
         self.cluster = None
         self.client = None
 
@@ -271,7 +272,7 @@ class _HttpSystem:
         self.baseline = HttpBaseline(tmp / "http-logs")
         self.session = None
         # the proxy stands where epdq's broker does
-        self.cpus = {HTTP_ROLE.get(r, r): c for r, c in (cpus or {}).items() if r in ("broker", "encoder", "pd")}
+        self.cpus = {HTTP_ROLE.get(r, r): c for r, c in (cpus or {}).items() if r in SERVER_ROLES}
 
     async def start(self) -> None:
         import aiohttp
