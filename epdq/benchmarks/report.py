@@ -88,6 +88,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "argv": list(sys.argv),
         "speed": machine_speed(),
+        "idle": idle_policy(),
     }
 
 
@@ -110,6 +111,39 @@ def machine_speed() -> dict[str, float]:
         dst[:] = src
         best = min(best, time.perf_counter() - t)
     return {"python_loop_ns": round(loop_ns, 2), "memcpy_gb_s": round(len(src) / best / 1e9, 2)}
+
+
+_CPUIDLE = "/sys/devices/system/cpu/cpuidle"
+_HALT_POLL_NS = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+
+
+def idle_policy(cpuidle: str = _CPUIDLE, halt_poll: str = _HALT_POLL_NS) -> dict[str, Any]:
+    """How this machine's idle CPUs wait, which decides what a wake-up that crosses cores costs:
+    with `haltpoll` and `guest_halt_poll_ns` 0 (this VM's setting) an idle virtual CPU halts at
+    once and every wake-up of it is an interrupt into the hypervisor, most of the cost of a
+    request at concurrency 1 (bench/NOTES, 2026-12-04). `halt_poll_ns`: how long an idle CPU
+    polls before it halts, None where the guest has no haltpoll driver. Each value is None
+    where it cannot be read (no Linux sysfs)."""
+    return {
+        "driver": _sys_word(os.path.join(cpuidle, "current_driver")),
+        "governor": _sys_word(os.path.join(cpuidle, "current_governor"))
+        or _sys_word(os.path.join(cpuidle, "current_governor_ro")),
+        "halt_poll_ns": _sys_int(halt_poll),
+    }
+
+
+def _sys_word(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return text if text and len(text) < 64 and text.isprintable() else None
+
+
+def _sys_int(path: str) -> int | None:
+    text = _sys_word(path)
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def _dist_version(name: str) -> str | None:

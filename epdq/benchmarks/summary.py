@@ -94,6 +94,10 @@ def _when(data: dict[str, Any]) -> str:
     # both speeds: a slow Python loop and slow memory move different targets (2026-12-03)
     loop, copy = speed.get("python_loop_ns"), speed.get("memcpy_gb_s")
     parts = [f"loop {loop:.0f} ns" if _num(loop) else "", f"memcpy {copy:.1f} GB/s" if _num(copy) else ""]
+    idle = env.get("idle") if isinstance(env.get("idle"), dict) else {}
+    poll = idle.get("halt_poll_ns")
+    if _num(poll) and poll > 0:  # idle CPUs that poll before they halt: cheaper wake-ups (bench/NOTES)
+        parts.append(f"idle polling {poll / 1000:g} µs")
     cfg = data.get("config") if isinstance(data.get("config"), dict) else {}
     if cfg.get("pin") and isinstance(cfg.get("placement"), str):  # a placement the run was given (--pin)
         parts.append(f"pinned: {cfg['placement'][:80]}")

@@ -180,3 +180,22 @@ def test_an_out_that_is_a_file_is_called_a_file(tmp_path):
         report.check_out_dir(blocker)
     with pytest.raises(ValueError, match="is not a writable directory: a part of the path is a file$"):
         report.check_out_dir(blocker / "results")
+
+
+def test_the_idle_policy_is_read_from_sysfs_and_anything_odd_is_none(tmp_path):
+    cpuidle = tmp_path / "cpuidle"
+    cpuidle.mkdir()
+    (cpuidle / "current_driver").write_text("haltpoll\n")
+    (cpuidle / "current_governor_ro").write_text("menu\n")  # older kernels: read-only name only
+    poll = tmp_path / "guest_halt_poll_ns"
+    poll.write_text("200000\n")
+    assert report.idle_policy(str(cpuidle), str(poll)) == {
+        "driver": "haltpoll", "governor": "menu", "halt_poll_ns": 200000,
+    }  # fmt: skip
+    (cpuidle / "current_driver").write_text("x" * 100)  # not a driver's name
+    poll.write_text("-1\n")
+    assert report.idle_policy(str(cpuidle), str(poll)) == {"driver": None, "governor": "menu", "halt_poll_ns": None}
+    missing = str(tmp_path / "none")
+    assert report.idle_policy(missing, missing) == {"driver": None, "governor": None, "halt_poll_ns": None}
+    # every result's environment carries it
+    assert set(report.environment()["idle"]) == {"driver", "governor", "halt_poll_ns"}

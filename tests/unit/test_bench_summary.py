@@ -203,3 +203,26 @@ def test_a_run_given_a_placement_says_so_beside_its_figures(tmp_path, capsys):
     (tmp_path / "control.json").write_text(json.dumps(data))
     summary.main([str(tmp_path)])
     assert "pinned" not in _rows(capsys)["epdq hit req/s at 32"][5]
+
+
+@pytest.mark.parametrize(
+    ("idle", "shown"),
+    [
+        ({"driver": "haltpoll", "governor": "haltpoll", "halt_poll_ns": 200000}, "idle polling 200 µs"),
+        ({"driver": "haltpoll", "governor": "haltpoll", "halt_poll_ns": 0}, None),
+        ({"driver": "intel_idle", "governor": "menu", "halt_poll_ns": None}, None),
+        ({"halt_poll_ns": "lots"}, None),
+        ("not a dict", None),
+    ],
+)
+def test_a_run_whose_idle_cpus_polled_says_so_beside_its_figures(tmp_path, capsys, idle, shown):
+    # wake-ups are several times cheaper with polling idle CPUs: such a run is not the machine's usual
+    data = _control(True)
+    data["environment"] = {"time_utc": "2026-12-04T06:00:00Z", "idle": idle}
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    summary.main([str(tmp_path)])
+    when = _rows(capsys)["epdq hit req/s at 32"][5]
+    if shown:
+        assert when.endswith(f"({shown})"), when
+    else:
+        assert "idle" not in when, when
