@@ -151,34 +151,33 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                     o.end = time.monotonic()
                     n_done += 1
 
-        async def freeze(name: str, pred) -> int:
-            """SIGSTOP `name` once pred(stats) says it holds work; returns the work the broker
-            sees it holding once frozen (0 if it never held any within the time allowed).
+        async def freeze(name: str) -> int:
+            """SIGSTOP `name` now, then wait until the broker has given it work, which it cannot
+            finish while frozen; returns the work the broker sees it holding (0 if none came within
+            the time allowed: it is let go again).
 
-            Freezing first makes "killed with work in flight" a fact rather than a race: a
-            frozen worker cannot finish its jobs in the moment between the look and the kill."""
-            end = time.monotonic() + 10.0
-            while time.monotonic() < end:
-                s = await _wait_for(admin, pred, timeout=max(0.1, end - time.monotonic()))
-                if s is None:
-                    break
-                pid = cluster.child(name).proc.pid
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    await asyncio.sleep(0.25)  # let what it sent before freezing reach the broker
-                    held = _inflight(await _stats(admin), name)
-                except BaseException:
-                    os.kill(pid, signal.SIGCONT)  # never leave a frozen worker behind
-                    raise
-                if held:
-                    return held
-                os.kill(pid, signal.SIGCONT)  # it finished just in time; try again
-            return 0
+            Freezing first makes "killed with work in flight" a fact rather than a race. Looking for
+            a worker that holds work and then freezing it once lost the race in CI to an encoder
+            whose jobs took milliseconds: it finished them between two looks until the requests
+            that could give it work had all ended. The broker gives work round robin among the
+            workers with credit, so a frozen worker gets its share while requests keep coming."""
+            pid = cluster.child(name).proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                # under the broker's liveness (5 missed heartbeats of 1 s): a frozen worker is not yet lost
+                s = await _wait_for(admin, lambda s: _inflight(s, name) > 0, timeout=4.0)
+            except BaseException:
+                os.kill(pid, signal.SIGCONT)  # never leave a frozen worker behind
+                raise
+            if s is None:
+                os.kill(pid, signal.SIGCONT)
+                return 0
+            return _inflight(s, name)
 
         async def chaos() -> None:
             while n_done < 4:  # let the pipeline warm up: a few requests complete first
                 await asyncio.sleep(0.02)
-            held = await freeze("encoder-0", lambda s: _inflight(s, "encoder-0") > 0)
+            held = await freeze("encoder-0")
             killed["encoder-0"] = {"inflight": held, "at_done": n_done}
             kill_child(cluster.child("encoder-0"))
             encoder_dead.set()
@@ -191,7 +190,7 @@ async def test_chaos_kill_encoder_and_pd_mid_run(chaos_cluster):
                 name = max((w for w in s["workers"] if w["role"] == "pd"), key=lambda w: w["inflight"])[
                     "worker_id"
                 ]
-                held = await freeze(name, lambda s: _inflight(s, name) > 0)
+                held = await freeze(name)
             killed[name] = {"inflight": held, "at_done": n_done}
             engine_cores.extend(_children(cluster.child(name).proc.pid))
             kill_child(cluster.child(name))
