@@ -145,7 +145,7 @@ _FLAGS = {
     "allow_remote_urls": "--allow-remote-urls", "request_timeout_s": "--timeout", "max_body_bytes": "--max-body-mb (in bytes)",
     "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
     "share_by": "--share-by", "share_connections": "--share-connections", "max_model_len": "--max-model-len",
-    "kv_cache_bytes": "--kv-cache-mb (in bytes)", "cpus": "--cpus",
+    "kv_cache_bytes": "--kv-cache-mb (in bytes)", "cpus": "--cpus", "max_batch": "--max-batch", "capacity": "--capacity",
 }  # fmt: skip
 
 
@@ -177,7 +177,14 @@ def worker(
     broker: str = typer.Option(DEFAULT_ADDRESS, help="Broker address."),
     model: str = typer.Option("", help="Checkpoint directory (default: the embedded tiny model)."),
     node: str = typer.Option("", help="Node id (default: hostname); same id = same shared-memory ring."),
-    capacity: int = typer.Option(0, help="Jobs held at once (0 = role default)."),
+    capacity: int = typer.Option(
+        0, help="Jobs held at once, the worker's credit at the broker (0 = role default: pd and both 16, "
+        "encoder twice --max-batch)."
+    ),
+    max_batch: int = typer.Option(
+        0, help="Encoder: images per forward at most (0 = 8, or --capacity if smaller); the rest of its "
+        "credit is the next batch, waiting."
+    ),
     ring_mb: int = typer.Option(256, help="Encoder ring size, MiB."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N: where the vision tower / the hf PD engine run."),
@@ -218,7 +225,7 @@ def worker(
     _setup_logging("info", log_format, vllm=True)
     try:
         cfg = WorkerConfig(
-            role=role, broker=broker, model=model, node=node, capacity=capacity, ring_bytes=ring_mb * 2**20,
+            role=role, broker=broker, model=model, node=node, capacity=capacity, max_batch=max_batch, ring_bytes=ring_mb * 2**20,
             dtype=dtype, device=device, ring=ring, fetch_bind=fetch_bind, fetch_advertise=fetch_advertise, threads=threads, engine=engine,
             heartbeat_s=heartbeat, keys_dir=keys_dir, insecure=insecure, drain_timeout_s=drain_timeout,
             max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb * 2**20, cpus=_cpu_list(cpus),

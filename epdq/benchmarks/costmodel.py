@@ -26,9 +26,9 @@ token; it ends after exactly `max_tokens` tokens (as the noop PD engine does).
 
 The difference between the two systems is where the vision tower runs:
 
-* EPD (1 encoder + N PD): the encoder worker is a separate accelerator. It runs one forward over
-  every job it holds (up to its credit, 8) when it becomes free, then reports each embedding to
-  the scheduler (`on_encoded`). PD engines never run the vision tower.
+* EPD (1 encoder + N PD): the encoder worker is a separate accelerator. When it becomes free
+  it runs one forward over the oldest jobs it holds, at most 8 (its credit is 16: the next batch
+  waits there), then reports each embedding to the scheduler (`on_encoded`). PD engines never run the vision tower.
 * Colocated (N+1 `both` workers): the vision tower runs INSIDE the engine step, serialised with
   the prefills and decodes of every sequence on that engine (vLLM's model runner executes the
   encoder for the multimodal inputs a step schedules before the LLM forward). A step whose prompt
@@ -288,11 +288,19 @@ class _Engine:
         self._step()
 
 
-class _Encoder:
-    """A dedicated encoder: one forward over every job it holds whenever it becomes free."""
+# as WorkerConfig's defaults: a forward takes at most ENCODER_MAX_BATCH of the jobs an encoder
+# holds, and it holds two batches (the next one waits there while a forward runs)
+ENCODER_MAX_BATCH = 8
+ENCODER_CREDIT = 2 * ENCODER_MAX_BATCH
+PD_CREDIT = 16  # sequences a PD or colocated engine holds, so the most one step decodes
 
-    def __init__(self, sim: Simulation, wid: str):
-        self.sim, self.wid = sim, wid
+
+class _Encoder:
+    """A dedicated encoder: whenever it becomes free, one forward over the oldest jobs it holds, at
+    most `max_batch` of them (EncoderWorker.run)."""
+
+    def __init__(self, sim: Simulation, wid: str, max_batch: int = ENCODER_MAX_BATCH):
+        self.sim, self.wid, self.max_batch = sim, wid, max_batch
         self.jobs: deque = deque()
         self.busy = False
         self.busy_s = 0.0
@@ -308,8 +316,8 @@ class _Encoder:
         if not self.jobs:
             self.busy = False
             return
-        batch = list(self.jobs)
-        self.jobs.clear()
+        jobs = self.jobs
+        batch = [jobs.popleft() for _ in range(min(len(jobs), self.max_batch))]
         sizes = [self.sim.key_size[j.key] for j in batch]
         dur = self.sim.cm.encode_s(sizes)
         self.busy = True
@@ -331,13 +339,11 @@ class _Encoder:
         self._start()
 
 
-ENCODER_CREDIT = 8  # images an encoder holds, so the most one forward batches
-PD_CREDIT = 16  # sequences a PD or colocated engine holds, so the most one step decodes
 
 
 def capacity_rps(
     system: str, cm: CostModel, wl: Workload, *, unique_keys: bool = False, encoders: int = 1, pds: int = 3,
-    both: int = 4, encoder_credit: int = ENCODER_CREDIT, pd_credit: int = PD_CREDIT,
+    both: int = 4, encoder_max_batch: int = ENCODER_MAX_BATCH, pd_credit: int = PD_CREDIT,
 ) -> float:  # fmt: skip
     """An upper bound on the requests/s the system can sustain: each stage's work per request
     taken at its least (the encoder's fixed cost shared by a full batch, an engine's step cost by a
@@ -354,7 +360,7 @@ def capacity_rps(
     encoded = images if unique_keys else images * (1.0 - wl.repeat_fraction)
     if system == "colocated":
         return _per_second(both, engine + encoded * per_image)
-    encoder = encoded * (cm.enc_call_s / encoder_credit + per_image)
+    encoder = encoded * (cm.enc_call_s / encoder_max_batch + per_image)
     return min(_per_second(encoders, encoder), _per_second(pds, engine))
 
 
@@ -370,10 +376,12 @@ class Simulation:
 
     def __init__(
         self, system: str, cm: CostModel, *, encoders: int = 1, pds: int = 3, both: int = 4,
-        encoder_credit: int = ENCODER_CREDIT, pd_credit: int = PD_CREDIT,
+        encoder_credit: int = ENCODER_CREDIT, encoder_max_batch: int = ENCODER_MAX_BATCH, pd_credit: int = PD_CREDIT,
     ) -> None:  # fmt: skip
         if system not in ("epd", "colocated"):
             raise ValueError("system must be epd or colocated")
+        if not 1 <= encoder_max_batch <= encoder_credit:
+            raise ValueError("encoder_max_batch must be in [1, encoder_credit]")
         self.system, self.cm = system, cm
         self.ev = _Events()
         self.scheduler = Scheduler(SchedulerConfig(max_queued_requests=10**9, max_held_image_bytes=2**62),
@@ -384,7 +392,7 @@ class Simulation:
         self.failed: list[Fail] = []
         if system == "epd":
             for i in range(encoders):
-                self.encoders[f"enc-{i}"] = _Encoder(self, f"enc-{i}")
+                self.encoders[f"enc-{i}"] = _Encoder(self, f"enc-{i}", encoder_max_batch)
                 self.scheduler.add_worker(f"enc-{i}", Role.ENCODER, "node-0", encoder_credit)
             for i in range(pds):
                 self.engines[f"pd-{i}"] = _Engine(self, f"pd-{i}", colocated=False)

@@ -1,7 +1,10 @@
 """Encoder worker: pulls encode jobs, runs the vision tower in batches, writes the ring.
 
-Jobs arrive as the broker spends our credit; everything held when the engine becomes free is
-encoded in ONE forward. Each embedding goes into this process's ring (pinned): shared memory, or
+Jobs arrive as the broker spends our credit; when the engine becomes free, the oldest jobs held,
+at most `max_batch` of them, are encoded in ONE forward. The credit is larger than a batch (two
+batches by default), so the next batch is already here when a forward ends: otherwise the engine
+would wait a round trip through the broker after every batch, and at 32 misses in flight the
+stages of the pipeline took turns instead of overlapping (bench/NOTES, 2026-12-04). Each embedding goes into this process's ring (pinned): shared memory, or
 on a GPU a CUDA ring (`epdq.ring_cuda`) that PD workers on the same GPU copy from directly, and
 a small completion event with its location goes back to the broker. Bytes for PD workers on
 other nodes are served from the ring by a fetch socket (ROUTER) this worker binds.
@@ -66,8 +69,12 @@ class EncoderWorker:
         fetch_bind: str = "tcp://127.0.0.1:*",
         ctx: zmq.Context | None = None,
         security: Any = None,
+        max_batch: int = 8,  # WorkerConfig.max_batch's default
     ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
         self.engine = engine
+        self.max_batch = max_batch
         self.ring = ring
         self.worker_id = worker_id
         self.node = node
@@ -178,8 +185,8 @@ class EncoderWorker:
             self._retry_blocked()
             if not self._jobs:
                 continue
-            batch = list(self._jobs)
-            self._jobs.clear()
+            jobs = self._jobs
+            batch = [jobs.popleft() for _ in range(min(len(jobs), self.max_batch))]
             self._encoding = True
             try:
                 await self._encode_batch(batch)

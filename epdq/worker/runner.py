@@ -27,6 +27,7 @@ log = logging.getLogger("epdq.worker")
 T = TypeVar("T")
 
 ROLES = ("encoder", "pd", "both")
+ENCODER_MAX_BATCH = 8  # images per forward, by default; the encoder holds twice as many jobs
 
 
 @dataclass(slots=True)
@@ -36,7 +37,11 @@ class WorkerConfig:
     model: str = ""  # checkpoint directory; empty = the embedded tiny model
     node: str = ""  # node id; workers with equal ids share rings (empty = hostname)
     worker_id: str = ""
-    capacity: int = 0  # jobs held at once (0 = role default)
+    capacity: int = 0  # jobs held at once, the worker's credit at the broker (0 = role default)
+    # encoder: images one forward takes at most (0 = ENCODER_MAX_BATCH, or the capacity if that is
+    # smaller). An encoder holds two batches by default: while it runs one, the next is already
+    # there, not a round trip through the broker away
+    max_batch: int = 0
     ring_bytes: int = 256 * 2**20
     # auto: bfloat16 on a CUDA device, float32 on the CPU; for vLLM, wherever vLLM will run
     dtype: str = "auto"
@@ -81,8 +86,21 @@ class WorkerConfig:
             raise ValueError(problem)
         if self.capacity < 0 or self.capacity > 4096:
             raise ValueError("capacity must be in [0, 4096]")
-        if self.capacity == 0:
-            self.capacity = 8 if self.role == "encoder" else 16
+        if not 0 <= self.max_batch <= 4096:
+            raise ValueError("max_batch must be in [0, 4096]")
+        if self.role != "encoder":
+            if self.max_batch:
+                raise ValueError(f"max_batch is an encoder's setting (images per forward), not a {self.role} worker's")
+            if self.capacity == 0:
+                self.capacity = 16
+        else:
+            if self.max_batch == 0:
+                self.max_batch = min(ENCODER_MAX_BATCH, self.capacity or ENCODER_MAX_BATCH)
+            if self.capacity == 0:
+                self.capacity = min(4096, 2 * self.max_batch)
+            if self.max_batch > self.capacity:
+                raise ValueError(f"max_batch ({self.max_batch}) cannot exceed capacity ({self.capacity}): "
+                                 "a forward takes only jobs the encoder holds")  # fmt: skip
         if not 2**20 <= self.ring_bytes <= 64 << 30:  # the ring's own bounds (epdq.ring.MAX_CAPACITY)
             raise ValueError("ring_bytes must be 1 MiB..64 GiB")
         if not 0.01 <= self.heartbeat_s <= 600:
@@ -323,7 +341,7 @@ async def _run_encoder(
         ring = RingWriter(cfg.ring_bytes, owner_tag="enc")
     worker = EncoderWorker(
         engine, ring, worker_id=cfg.worker_id, node=cfg.node, max_image_bytes=cfg.max_image_bytes,
-        max_image_pixels=cfg.max_image_pixels, fetch_bind=fetch_bind, security=security,
+        max_image_pixels=cfg.max_image_pixels, fetch_bind=fetch_bind, security=security, max_batch=cfg.max_batch,
     )  # fmt: skip
     try:
         fetch = advertised_fetch_endpoint(worker.open_fetch_socket(), cfg.fetch_advertise, cfg.broker)

@@ -648,3 +648,28 @@ async def test_an_engine_that_fails_after_its_last_delta_does_not_fail_the_answe
         assert await worker._generate(_prefill("r3", 2), [], None) == (2, "length")
     finally:
         worker.close()
+
+
+async def test_an_encoder_runs_at_most_max_batch_jobs_a_forward_oldest_first():
+    """Its credit holds two batches: a forward takes the oldest `max_batch` jobs, and the next
+    forward the ones that waited (no job is left behind, none is taken twice)."""
+    from epdq.demo import demo_image
+    from epdq.engines.noop import NoopVisionEngine
+    from epdq.ring import RingWriter
+    from epdq.worker.encoder import EncoderWorker
+
+    with pytest.raises(ValueError, match="max_batch"):
+        EncoderWorker(NoopVisionEngine(), None, worker_id="e", node="n", max_image_bytes=1, max_image_pixels=1,
+                      max_batch=0)  # fmt: skip
+    ring = RingWriter(1 << 20, owner_tag="test")
+    worker, sent = _encoder(ring)
+    worker.max_batch = 3
+    batches: list[int] = []
+    encode = worker.engine.encode
+    worker.engine.encode = lambda images: batches.append(len(images)) or encode(images)
+    async with _running(worker, ring):
+        for i in range(7):  # all queued before the loop's next turn
+            worker.handle(P.Encode(i + 1, bytes([i + 1]) * 16), [demo_image(i, (64, 64))])
+        await _until(lambda: sum(isinstance(m, P.Encoded) for m in sent) == 7)
+    assert batches == [3, 3, 1]
+    assert [m.job_id for m in sent if isinstance(m, P.Encoded)] == list(range(1, 8))
