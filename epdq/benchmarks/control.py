@@ -205,6 +205,15 @@ def _cpu_per_request_us(cpu_s: dict[str, float | None], n: int) -> dict[str, flo
     return out
 
 
+def _credits() -> dict[str, int]:
+    """The workers' credits and the encoder's batch, as the benchmark's cluster runs them (the
+    defaults): they decide how requests move through the stages at concurrency 32."""
+    from epdq.worker.runner import WorkerConfig
+
+    enc, pd = WorkerConfig(role="encoder"), WorkerConfig(role="pd")
+    return {"encoder": enc.capacity, "encoder_max_batch": enc.max_batch, "pd": pd.capacity}
+
+
 class _EpdqSystem:
     def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None):
         self.tmp = tmp
@@ -530,6 +539,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
             "concurrency": conc, "requests": requests, "warmup": warm, "rounds": rounds, "image": f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG",
             "image_bytes_mean": sum(map(len, images.items)) / max(1, len(images.items)), "max_tokens": 1,
             "http": http, "epdq": "broker + 1 encoder + 1 PD worker (processes, no-op engines), ipc, one AsyncClient",
+            "epdq_credits": _credits(),
             "http_baseline": "uvicorn: no-op encoder, no-op PD, FastAPI+aiohttp proxy (3 processes); aiohttp client",
             "pin": {r: list(c) for r, c in pin.items()}, "placement": placement(pin),
         },

@@ -32,6 +32,8 @@ def test_control_benchmark_small(tmp_path, capsys):
             for wl in ("image", "image-repeat", "text"):
                 assert (system, wl, c) in cells
     assert saved["config"]["rounds"] == 4
+    # the credits the cluster ran with, from the workers' own defaults (they move misses at 32)
+    assert saved["config"]["epdq_credits"] == {"encoder": 16, "encoder_max_batch": 8, "pd": 16}
     for r in saved["results"]:
         assert r["requests"] == 50 and r["ok"] == 50 and r["errors"] == 0, r
         # 50 requests in 4 rounds (13 + 13 + 12 + 12), each round's throughput on its own
