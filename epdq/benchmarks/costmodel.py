@@ -28,7 +28,8 @@ The difference between the two systems is where the vision tower runs:
 
 * EPD (1 encoder + N PD): the encoder worker is a separate accelerator. When it becomes free
   it runs one forward over the oldest jobs it holds, at most 8 (its credit is 16: the next batch
-  waits there), then reports each embedding to the scheduler (`on_encoded`). PD engines never run the vision tower.
+  waits there), then reports each embedding to the scheduler (`on_encoded`). PD engines never
+  run the vision tower.
 * Colocated (N+1 `both` workers): the vision tower runs INSIDE the engine step, serialised with
   the prefills and decodes of every sequence on that engine (vLLM's model runner executes the
   encoder for the multimodal inputs a step schedules before the LLM forward). A step whose prompt
@@ -337,8 +338,6 @@ class _Encoder:
             self.sim.scheduler.on_encoded(self.wid, job.job_id, ref)
         self.sim.pump()
         self._start()
-
-
 
 
 def capacity_rps(

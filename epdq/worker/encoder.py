@@ -4,10 +4,12 @@ Jobs arrive as the broker spends our credit; when the engine becomes free, the o
 at most `max_batch` of them, are encoded in ONE forward. The credit is larger than a batch (two
 batches by default), so the next batch is already here when a forward ends: otherwise the engine
 would wait a round trip through the broker after every batch, and at 32 misses in flight the
-stages of the pipeline took turns instead of overlapping (bench/NOTES, 2026-12-04). Each embedding goes into this process's ring (pinned): shared memory, or
-on a GPU a CUDA ring (`epdq.ring_cuda`) that PD workers on the same GPU copy from directly, and
-a small completion event with its location goes back to the broker. Bytes for PD workers on
-other nodes are served from the ring by a fetch socket (ROUTER) this worker binds.
+stages of the pipeline took turns instead of overlapping (bench/NOTES, 2026-12-04).
+
+Each embedding goes into this process's ring (pinned): shared memory, or on a GPU a CUDA ring
+(`epdq.ring_cuda`) that PD workers on the same GPU copy from directly, and a small completion
+event with its location goes back to the broker. Bytes for PD workers on other nodes are served
+from the ring by a fetch socket (ROUTER) this worker binds.
 """
 
 from __future__ import annotations
