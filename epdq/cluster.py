@@ -41,6 +41,9 @@ class ClusterSpec:
     broker: BrokerConfig | None = None
     worker_defaults: dict = field(default_factory=dict)  # WorkerConfig fields for every worker
     nodes: dict = field(default_factory=dict)  # role -> node id override (e.g. {"pd": "node-b"})
+    # role (encoder, pd, both) -> WorkerConfig fields for that role's workers, over worker_defaults
+    # (e.g. {"encoder": {"capacity": 32, "max_batch": 8}})
+    role_options: dict = field(default_factory=dict)
     log_dir: str = ""
     log_format: str = "text"
     start_timeout_s: float = 300.0
@@ -58,6 +61,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         self.cpus = _check_cpu_map(self.cpus)
+        _check_role_options(self.role_options)
         if "gateway" in self.cpus and not self.http:
             raise ValueError("cpus places the gateway, but no gateway is started (http, --http for epdq up, is empty)")
         # the broker listens here and every worker and client connects here: no wildcard
@@ -97,6 +101,28 @@ class ClusterSpec:
 
 
 CPU_ROLES = ("broker", "encoder", "pd", "both", "gateway")
+WORKER_ROLES = ("encoder", "pd", "both")
+_SET_BY_CLUSTER = ("role", "broker", "model", "worker_id", "keys_dir", "insecure")
+
+
+def _check_role_options(options: dict) -> None:
+    """Refused now, before anything starts: a role that is no worker's, a field WorkerConfig does
+    not have or the cluster sets itself, or a value that worker's config refuses."""
+    if not isinstance(options, dict):
+        raise ValueError(f"role_options must map roles ({', '.join(WORKER_ROLES)}) to WorkerConfig fields")
+    known = {f.name for f in dataclasses.fields(WorkerConfig)}
+    for role, opts in options.items():
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role_options: {role!r} is not a worker role ({', '.join(WORKER_ROLES)})")
+        if not isinstance(opts, dict):
+            raise ValueError(f"role_options for the {role}: a dict of WorkerConfig fields, not {type(opts).__name__}")
+        bad = sorted(str(k) for k in opts if k not in known or k in _SET_BY_CLUSTER)
+        if bad:
+            raise ValueError(f"role_options for the {role}: {', '.join(bad)} cannot be set per role")
+        try:
+            WorkerConfig(role=role, **opts)
+        except ValueError as e:
+            raise ValueError(f"role_options for the {role}: {e}") from None
 
 
 def _check_cpu_map(cpus: dict) -> dict[str, tuple[int, ...]]:
@@ -268,6 +294,9 @@ class Cluster:
                 kw = {"drain_timeout_s": self.spec.drain_timeout_s} | dict(self.spec.worker_defaults)
                 if role == "encoder":
                     kw.pop("kv_cache_bytes", None)  # the LLM engines' setting: an encoder refuses it
+                else:
+                    kw.pop("max_batch", None)  # an encoder's setting: the others refuse it
+                kw.update(self.spec.role_options.get(role, {}))
                 kw.update(role=role, broker=self.address, model=self.spec.model, worker_id=f"{role}-{i}",
                           keys_dir=self.keys_dir, insecure=self.spec.insecure)  # fmt: skip
                 if role in self.spec.nodes:

@@ -205,18 +205,47 @@ def _cpu_per_request_us(cpu_s: dict[str, float | None], n: int) -> dict[str, flo
     return out
 
 
-def _credits() -> dict[str, int]:
-    """The workers' credits and the encoder's batch, as the benchmark's cluster runs them (the
-    defaults): they decide how requests move through the stages at concurrency 32."""
+CREDIT_FLAGS = {"encoder": "--encoder-credit", "encoder_max_batch": "--encoder-batch", "pd": "--pd-credit"}
+
+
+def credit_options(credits: dict[str, int] | None) -> dict[str, dict[str, int]]:
+    """{"encoder": credit, "encoder_max_batch": images a forward, "pd": credit}, any of them left
+    out for the workers' default, as ClusterSpec.role_options; ValueError naming the flag for a
+    value the worker would refuse."""
     from epdq.worker.runner import WorkerConfig
 
-    enc, pd = WorkerConfig(role="encoder"), WorkerConfig(role="pd")
+    credits = credits or {}
+    unknown = set(credits) - set(CREDIT_FLAGS)
+    if unknown:
+        raise ValueError(f"credits: {', '.join(sorted(unknown))} is not one of {', '.join(CREDIT_FLAGS)}")
+    for k, v in credits.items():
+        if type(v) is not int or not 1 <= v <= 4096:
+            raise ValueError(f"{CREDIT_FLAGS[k]} must be 1..4096, not {v!r}")
+    enc = {f: credits[k] for k, f in (("encoder", "capacity"), ("encoder_max_batch", "max_batch")) if k in credits}
+    out = {"encoder": enc} if enc else {}
+    if "pd" in credits:
+        out["pd"] = {"capacity": credits["pd"]}
+    try:
+        WorkerConfig(role="encoder", **out.get("encoder", {}))
+    except ValueError as e:
+        raise ValueError(str(e).replace("max_batch", "--encoder-batch").replace("capacity", "--encoder-credit")) from None
+    return out
+
+
+def _credits(options: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The workers' credits and the encoder's batch as the benchmark's cluster runs them: they
+    decide how requests move through the stages at concurrency 32."""
+    from epdq.worker.runner import WorkerConfig
+
+    enc = WorkerConfig(role="encoder", **options.get("encoder", {}))
+    pd = WorkerConfig(role="pd", **options.get("pd", {}))
     return {"encoder": enc.capacity, "encoder_max_batch": enc.max_batch, "pd": pd.capacity}
 
 
 class _EpdqSystem:
-    def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None):
+    def __init__(self, tmp: Path, cpus: dict[str, tuple[int, ...]] | None = None, role_options: dict | None = None):
         self.tmp = tmp
+        self.role_options = role_options or {}
         self.cpus = {r: c for r, c in (cpus or {}).items() if r in SERVER_ROLES}
         self.cluster = None
         self.client = None
@@ -229,7 +258,7 @@ class _EpdqSystem:
             address=f"ipc://{self.tmp}/b.sock", encoders=1, pds=1, worker_defaults={"engine": "noop"},
             log_dir=str(self.tmp / "epdq-logs"), start_timeout_s=120,
             broker=BrokerConfig(log_requests=False),  # as vLLM benchmarks run with --disable-log-requests
-            cpus=self.cpus,
+            cpus=self.cpus, role_options=self.role_options,
         )  # fmt: skip
         self.cluster = Cluster(spec)
         await self.cluster.start()
@@ -345,6 +374,7 @@ def run(
     warmup: int | None = None,
     rounds: int | None = None,
     pin: dict[str, tuple[int, ...]] | None = None,
+    credits: dict[str, int] | None = None,
 ) -> dict:
     """Run the benchmark, print the tables, write control.json (and control.png). Returns the data.
 
@@ -354,13 +384,15 @@ def run(
     systems taking turns in each (default min(4, requests)): the machine's speed drifts within a
     run, and a drift between two long phases would be taken for a difference between systems.
     `pin`: role (client, broker, encoder, pd) -> CPUs, the same placement for both systems (the
-    HTTP proxy takes the broker's), see `parse_pin`; roles not named run where the kernel puts them."""
+    HTTP proxy takes the broker's), see `parse_pin`; roles not named run where the kernel puts them.
+    `credits`: epdq's worker credits, see `credit_options` (default: the workers' own)."""
     conc = [int(c) for c in concurrency]
     _check_args(conc, requests, warmup, rounds)
     warm = max(20, requests // 10) if warmup is None else int(warmup)
     rounds = min(DEFAULT_ROUNDS, requests) if rounds is None else int(rounds)
     pin = check_pin(pin or {})
-    return _run_loop(_main(conc, requests, warm, rounds, Path(out_dir), plot, progress, http, pin))
+    options = credit_options(credits)
+    return _run_loop(_main(conc, requests, warm, rounds, Path(out_dir), plot, progress, http, pin, options))
 
 
 def _check_args(conc: list[int], requests: int, warmup: int | None, rounds: int | None = None) -> None:
@@ -459,8 +491,8 @@ def _turns(systems: list[tuple[str, str]], k: int) -> list[tuple[str, str]]:
     return systems[k:] + systems[:k]
 
 
-async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, http, pin=None) -> dict:
-    pin = pin or {}
+async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, http, pin=None, options=None) -> dict:
+    pin, options = pin or {}, options or {}
     n_phases = sum(len(systems) for _, systems in _cells(conc, http))
     n_warm_phases = 3 + (4 if http else 0)  # epdq miss/hit/text, 2 variants x image/text
     total = n_phases * requests + n_warm_phases * warm
@@ -479,7 +511,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="epdq-bench-control-") as td:
         tmp = Path(td)
-        ep = _EpdqSystem(tmp, pin)
+        ep = _EpdqSystem(tmp, pin, options)
         hp = _HttpSystem(tmp, pin) if http else None
         own_cpus = os.sched_getaffinity(0)
         try:
@@ -519,6 +551,8 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
                     results.append({"system": system, "workload": wl, "concurrency": c, **_summary(runs[(system, wl)])})
             after = await ep.stats()
             info["epdq_broker_counters"] = _delta(before.get("counters", {}), after.get("counters", {}))
+            # the credits as the broker has them from each worker's REGISTER
+            info["epdq_workers"] = {w.get("worker_id", "?"): w.get("capacity") for w in after.get("workers", [])}
         finally:
             try:
                 await ep.stop()
@@ -539,7 +573,7 @@ async def _main(conc, requests, warm, rounds, out_dir: Path, plot, progress, htt
             "concurrency": conc, "requests": requests, "warmup": warm, "rounds": rounds, "image": f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG",
             "image_bytes_mean": sum(map(len, images.items)) / max(1, len(images.items)), "max_tokens": 1,
             "http": http, "epdq": "broker + 1 encoder + 1 PD worker (processes, no-op engines), ipc, one AsyncClient",
-            "epdq_credits": _credits(),
+            "epdq_credits": _credits(options), "credits_set": options,
             "http_baseline": "uvicorn: no-op encoder, no-op PD, FastAPI+aiohttp proxy (3 processes); aiohttp client",
             "pin": {r: list(c) for r, c in pin.items()}, "placement": placement(pin),
         },
@@ -590,18 +624,28 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.c
                     help="run each role's processes on these CPUs, the same for both systems (roles client, broker "
                     "-- the HTTP proxy for the baseline --, encoder, pd, or all; CPUS as taskset -c), e.g. --pin all=0 "
                     "or --pin client=0 broker=1 encoder=0 pd=1; default: wherever the kernel puts them")  # fmt: skip
+    ap.add_argument("--encoder-credit", type=int, default=None, metavar="N",
+                    help="epdq's encoder holds this many jobs (default: the worker's, twice its batch)")
+    ap.add_argument("--encoder-batch", type=int, default=None, metavar="N",
+                    help="images one forward of epdq's encoder takes at most (default: the worker's, 8)")
+    ap.add_argument("--pd-credit", type=int, default=None, metavar="N",
+                    help="requests epdq's PD worker holds (default: the worker's, 16)")
     a = ap.parse_args(argv)
     # a level given twice would run its "miss" phase on the images of the first: all cache hits
     a.concurrency = list(dict.fromkeys(a.concurrency))
     try:
         _check_args(a.concurrency, a.requests, a.warmup, a.rounds)
         pin = parse_pin(a.pin)
+        given = {"encoder": a.encoder_credit, "encoder_max_batch": a.encoder_batch, "pd": a.pd_credit}
+        credits = {k: v for k, v in given.items() if v is not None}
+        credit_options(credits)
         check_out_dir(a.out, ("control.json", "control.png"))
     except ValueError as e:
         ap.error(str(e))
     with sigterm_unwinds():  # the cluster and the HTTP servers stopped, the temporary directory removed
         run(concurrency=a.concurrency, requests=a.requests, out_dir=a.out, plot=not a.no_plot,
-            progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup, rounds=a.rounds, pin=pin)  # fmt: skip
+            progress=True if a.progress else None, http=not a.no_http, warmup=a.warmup, rounds=a.rounds, pin=pin,
+            credits=credits)  # fmt: skip
     return 0
 
 

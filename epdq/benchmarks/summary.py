@@ -101,6 +101,11 @@ def _when(data: dict[str, Any]) -> str:
     cfg = data.get("config") if isinstance(data.get("config"), dict) else {}
     if cfg.get("pin") and isinstance(cfg.get("placement"), str):  # a placement the run was given (--pin)
         parts.append(f"pinned: {cfg['placement'][:80]}")
+    credits = cfg.get("epdq_credits") if isinstance(cfg.get("epdq_credits"), dict) else {}
+    if cfg.get("credits_set") and all(_num(credits.get(k)) for k in ("encoder", "encoder_max_batch", "pd")):
+        # credits the run was given (--encoder-credit, --encoder-batch, --pd-credit), not the workers' own
+        parts.append(f"credits set: encoder {credits['encoder']:g}/{credits['encoder_max_batch']:g}, "
+                     f"pd {credits['pd']:g}")  # fmt: skip
     out = t.replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
     shown = ", ".join(p for p in parts if p)
     return f"{out} ({shown})" if shown else out

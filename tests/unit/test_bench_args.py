@@ -29,6 +29,10 @@ BAD_ARGS = [
     ("control", ["--pin", "pd=0", "pd=0"], "--pin names pd twice"),
     ("control", ["--pin", "pd=1-0"], "CPU range '1-0' runs backwards"),
     ("control", ["--pin", f"pd={_UNUSABLE}"], f"pin: cpus {_UNUSABLE} for the pd not available here"),
+    ("control", ["--encoder-credit", "0"], "--encoder-credit must be 1..4096, not 0"),
+    ("control", ["--pd-credit", "5000"], "--pd-credit must be 1..4096, not 5000"),
+    ("control", ["--encoder-credit", "4", "--encoder-batch", "8"], "--encoder-batch (8) cannot exceed --encoder-credit (4)"),
+    ("control", ["--encoder-batch", "x"], "argument --encoder-batch: invalid int value"),
     # no upper bound: --requests 2000000000 grew ~6 MB/s making images before anything ran
     ("control", ["--requests", "2000000000"], "at most 1,000,000 per phase"),
     ("control", ["--warmup", "2000000000"], "warmup must be >= 0 and at most 1,000,000"),
@@ -215,3 +219,17 @@ def test_pin_given_through_the_api_is_checked_too():
         check_pin({"gpu": (0,)})
     first = min(os.sched_getaffinity(0))
     assert check_pin({"pd": [first], "client": (first,)}) == {"client": (first,), "pd": (first,)}
+
+
+def test_credits_given_through_the_api_are_checked_and_become_role_options():
+    from epdq.benchmarks.control import _credits, credit_options
+
+    assert credit_options(None) == credit_options({}) == {}
+    opts = credit_options({"encoder": 32, "pd": 8})
+    assert opts == {"encoder": {"capacity": 32}, "pd": {"capacity": 8}}
+    assert _credits(opts) == {"encoder": 32, "encoder_max_batch": 8, "pd": 8}
+    assert _credits(credit_options({"encoder_max_batch": 4})) == {"encoder": 8, "encoder_max_batch": 4, "pd": 16}
+    with pytest.raises(ValueError, match="gpu is not one of"):
+        credit_options({"gpu": 1})
+    with pytest.raises(ValueError, match="--pd-credit must be 1..4096, not 2.0"):
+        credit_options({"pd": 2.0})

@@ -167,3 +167,13 @@ def test_the_cpu_resolution_counts_a_tick_per_round():
     assert f"~{4 * tick_us / 2000:,.1f} µs per process and request" in note and "4 rounds" in note
     assert f"--requests {int(4 * tick_us / 5):,} or more" in note
     assert control_report.cpu_resolution_note(10**9, 4) == ""
+
+
+def test_the_workers_run_with_the_credits_given(tmp_path, capsys):
+    data = control.run(concurrency=(4,), requests=20, out_dir=tmp_path, progress=False, http=False, plot=False,
+                       credits={"encoder": 3, "encoder_max_batch": 2, "pd": 5})  # fmt: skip
+    assert data["config"]["epdq_credits"] == {"encoder": 3, "encoder_max_batch": 2, "pd": 5}
+    assert data["config"]["credits_set"] == {"encoder": {"capacity": 3, "max_batch": 2}, "pd": {"capacity": 5}}
+    assert all(r["ok"] == 20 for r in data["results"])
+    # the credits went to the workers, not only into the JSON: the broker has them from REGISTER
+    assert data["epdq_workers"] == {"encoder-0": 3, "pd-0": 5}

@@ -226,3 +226,19 @@ def test_a_run_whose_idle_cpus_polled_says_so_beside_its_figures(tmp_path, capsy
         assert when.endswith(f"({shown})"), when
     else:
         assert "idle" not in when, when
+
+
+def test_a_run_given_credits_says_so_beside_its_figures(tmp_path, capsys):
+    # credits tuned for one concurrency would pass for what the workers' defaults give
+    data = _control(True)
+    data["config"] = {"epdq_credits": {"encoder": 32, "encoder_max_batch": 8, "pd": 16},
+                      "credits_set": {"encoder": {"capacity": 32}}}  # fmt: skip
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    summary.main([str(tmp_path)])
+    assert _rows(capsys)["epdq hit req/s at 32"][5].endswith("credits set: encoder 32/8, pd 16)")
+    for cfg in ({"epdq_credits": {"encoder": 16, "encoder_max_batch": 8, "pd": 16}, "credits_set": {}},
+                {"credits_set": {"encoder": {}}, "epdq_credits": "odd"}):  # fmt: skip
+        data["config"] = cfg
+        (tmp_path / "control.json").write_text(json.dumps(data))
+        summary.main([str(tmp_path)])
+        assert "credits" not in _rows(capsys)["epdq hit req/s at 32"][5]
