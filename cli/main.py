@@ -146,6 +146,7 @@ _FLAGS = {
     "default_max_tokens": "--default-max-tokens", "log_format": "--log-format", "max_images": "--max-images",
     "share_by": "--share-by", "share_connections": "--share-connections", "max_model_len": "--max-model-len",
     "kv_cache_bytes": "--kv-cache-mb (in bytes)", "cpus": "--cpus", "max_batch": "--max-batch", "capacity": "--capacity",
+    "role_options": "worker settings",
 }  # fmt: skip
 
 
@@ -156,19 +157,36 @@ def _cpu_list(text: str) -> tuple[int, ...]:
 
 
 def _role_cpus(items: list[str]) -> dict[str, str]:
+    return _by_role(items, "--cpus", "ROLE=CPUS (e.g. broker=0 or pd=1-3)")
+
+
+def _by_role(items: list[str], flag: str, form: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         role, eq, value = item.partition("=")
         if not eq or not role.strip():
-            raise ValueError(f"--cpus takes ROLE=CPUS (e.g. broker=0 or pd=1-3), got {item!r}")
+            raise ValueError(f"{flag} takes {form}, got {item!r}")
         if role.strip() in out:
-            raise ValueError(f"--cpus names the {role.strip()} twice")
+            raise ValueError(f"{flag} names the {role.strip()} twice")
         out[role.strip()] = value
     return out
 
 
+def _role_options(capacity: list[str], max_batch: int) -> dict[str, dict[str, int]]:
+    """`epdq up --capacity ROLE=N ... --max-batch N` as ClusterSpec.role_options."""
+    out: dict[str, dict[str, int]] = {}
+    for role, value in _by_role(capacity, "--capacity", "ROLE=N (e.g. encoder=32 or pd=8)").items():
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--capacity for the {role}: a whole number of jobs, at least 1, not {value!r}")
+        out[role] = {"capacity": int(value)}
+    if max_batch:
+        out.setdefault("encoder", {})["max_batch"] = max_batch
+    return out
+
+
 def _flag_names(message: str) -> str:
-    return re.sub(r"\b[a-z_]+\b", lambda m: _FLAGS.get(m.group(0), m.group(0)), message)
+    # a word already written as a flag ("--cpus takes ...") is left as it is
+    return re.sub(r"(?<![\w-])[a-z_]+\b", lambda m: _FLAGS.get(m.group(0), m.group(0)), message)
 
 
 @app.command()
@@ -274,6 +292,11 @@ def up(
         "workers' or the HTTP gateway's processes run on (roles broker, encoder, pd, both, gateway; taskset -c syntax, e.g. --cpus broker=0 "
         "--cpus pd=1-3). Roles not named run wherever the kernel puts them."
     ),
+    capacity: list[str] = typer.Option(
+        [], help="ROLE=N, repeatable: jobs each worker of that role holds at once, its credit (roles encoder, pd, "
+        "both; default: pd and both 16, encoders twice --max-batch)."
+    ),
+    max_batch: int = typer.Option(0, help="Encoders: images per forward at most (0 = 8, or their --capacity if smaller)."),
 ) -> None:
     """Start broker + workers (and optionally the HTTP gateway) on this machine; serve until Ctrl-C."""
     from epdq.cluster import Cluster, ClusterSpec
@@ -293,6 +316,7 @@ def up(
             keys_dir=keys_dir, insecure=insecure, metrics=metrics, http=http, http_options=http_options,
             log_format=log_format, drain_timeout_s=drain_timeout, cpus=_role_cpus(cpus),
             worker_defaults={"max_model_len": max_model_len, "kv_cache_bytes": kv_cache_mb * 2**20},
+            role_options=_role_options(capacity, max_batch),
         )  # fmt: skip
         cluster = Cluster(spec)
         cluster.worker_configs()  # every setting checked before anything starts

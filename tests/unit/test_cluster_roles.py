@@ -49,3 +49,36 @@ def test_bad_role_options_are_refused_before_anything_starts(tmp_path, options, 
     with pytest.raises(ValueError) as exc:
         _spec(tmp_path, role_options=options)
     assert message in str(exc.value)
+
+
+def test_up_turns_capacity_and_max_batch_into_role_options():
+    from cli.main import _role_options
+
+    assert _role_options([], 0) == {}
+    assert _role_options(["encoder=32", " pd = 8"], 4) == {"encoder": {"capacity": 32, "max_batch": 4}, "pd": {"capacity": 8}}
+    assert _role_options([], 16) == {"encoder": {"max_batch": 16}}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--capacity", "pd"], "--capacity takes ROLE=N (e.g. encoder=32 or pd=8), got 'pd'"),
+        (["--capacity", "pd=x"], "--capacity for the pd: a whole number of jobs, at least 1, not 'x'"),
+        (["--capacity", "pd=0"], "--capacity for the pd: a whole number of jobs, at least 1, not '0'"),
+        (["--capacity", "pd=2", "--capacity", "pd=3"], "--capacity names the pd twice"),
+        (["--capacity", "gpu=3"], "worker settings: 'gpu' is not a worker role (encoder, pd, both)"),
+        (["--capacity", "encoder=4", "--max-batch", "8"],
+         "worker settings for the encoder: --max-batch (8) cannot exceed --capacity (4)"),
+        # a message that names its flag already is not given a second pair of dashes ("----cpus")
+        (["--cpus", "x"], "--cpus takes ROLE=CPUS (e.g. broker=0 or pd=1-3), got 'x'"),
+    ],
+)
+def test_up_refuses_bad_worker_settings_before_anything_starts(argv, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    res = CliRunner().invoke(app, ["up", "--address", "ipc:///nonexistent-epdq-dir/b.sock", *argv])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.replace("│", " ").split())
+    assert message in text and "----" not in text, text
