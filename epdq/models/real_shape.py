@@ -199,6 +199,32 @@ def parameter_count(spec: ShapeSpec) -> int:
     return sum(math.prod(s) for s in parameter_shapes(spec).values())
 
 
+def checkpoint_bytes(spec: ShapeSpec | str, dtype: str = "bfloat16") -> int:
+    """Bytes of weights `write_checkpoint` puts on disk (the tokenizer and configs are ~10 MB more)."""
+    if isinstance(spec, str):
+        spec = preset(spec)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    return parameter_count(spec) * (4 if dtype == "float32" else 2)
+
+
+class NotEnoughRoom(OSError):
+    """The target filesystem cannot hold the checkpoint; raised before a byte is written."""
+
+
+_ROOM_MARGIN = 64 << 20  # tokenizer, configs, safetensors headers
+
+
+def check_room(d: str | os.PathLike, need: int) -> None:
+    # A half-written multi-GB checkpoint that dies on ENOSPC costs minutes and leaves a full
+    # disk behind; say so before starting.
+    free = shutil.disk_usage(d).free
+    if free < need + _ROOM_MARGIN:
+        raise NotEnoughRoom(
+            f"{d} has {free / 2**20:,.0f} MiB free; the checkpoint needs {(need + _ROOM_MARGIN) / 2**20:,.0f} MiB"
+        )
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike,
     spec: ShapeSpec | str = "qwen2.5-vl-3b",
@@ -218,6 +244,7 @@ def write_checkpoint(
     out = pathlib.Path(out_dir).absolute()
     check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_room(out.parent, checkpoint_bytes(spec, dtype))
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _write_json(staging / "config.json", model_config(spec, dtype))
@@ -340,10 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     spec = preset(args.preset, num_layers=args.layers) if args.layers else preset(args.preset)
     t0 = time.perf_counter()
-    path = write_checkpoint(
-        args.out, spec, seed=args.seed, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
-        log=lambda m: print(m, file=sys.stderr),
-    )  # fmt: skip
+    try:
+        path = write_checkpoint(
+            args.out, spec, seed=args.seed, dtype=args.dtype, device=args.device, overwrite=args.overwrite,
+            log=lambda m: print(m, file=sys.stderr),
+        )  # fmt: skip
+    except (NotEnoughRoom, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{spec.name}: {parameter_count(spec) / 1e9:.2f} B parameters in {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
 

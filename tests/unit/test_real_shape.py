@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import pathlib
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -61,12 +64,39 @@ def test_preset_validation():
         R.preset("qwen2.5-vl-3b", vocab_size=2100)
 
 
+def test_write_checkpoint_refuses_a_filesystem_without_room(tmp_path, monkeypatch):
+    import shutil
+
+    spec = R.preset("qwen2.5-vl-3b")
+    real = shutil.disk_usage
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda d: real(d)._replace(free=300 << 20))
+    with pytest.raises(R.NotEnoughRoom, match=r"300 MiB free; the checkpoint needs 7,2\d\d MiB"):
+        R.write_checkpoint(tmp_path / "m", spec)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert R.main([str(tmp_path / "m")]) == 2
+
+
+def _roomy_dir(tmp_path_factory, need: int) -> pathlib.Path:
+    """The test's scratch space, or tmpfs when that disk is short: the reduced checkpoint is ~1 GB,
+    and a CI machine's disk has been seen with less than that free."""
+    first = tmp_path_factory.mktemp("rs")
+    if shutil.disk_usage(first).free >= need:
+        return first
+    shm = pathlib.Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free >= need:
+        return pathlib.Path(tempfile.mkdtemp(prefix="epdq-test-rs-", dir=shm))
+    pytest.skip(f"no room for a {need >> 20} MiB checkpoint: {first} and /dev/shm are both short")
+
+
 @pytest.fixture(scope="module")
 def reduced(tmp_path_factory):
     spec = R.preset("qwen2.5-vl-3b", num_layers=2, vision_depth=1, vocab_size=2304, special_base=2200,
                     matrix_gain=3.0)  # fmt: skip
-    return spec, R.write_checkpoint(tmp_path_factory.mktemp("rs") / "m", spec, dtype="float32",
-                                    shard_bytes=128 << 20)  # fmt: skip
+    base = _roomy_dir(tmp_path_factory, R.checkpoint_bytes(spec, "float32") + (256 << 20))
+    try:
+        yield spec, R.write_checkpoint(base / "m", spec, dtype="float32", shard_bytes=128 << 20)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)  # a GB that the rest of the run may need
 
 
 def test_reduced_checkpoint_files(reduced):
