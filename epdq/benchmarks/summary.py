@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -93,7 +94,8 @@ def _when(data: dict[str, Any]) -> str:
     speed = env.get("speed") if isinstance(env.get("speed"), dict) else {}
     # both speeds: a slow Python loop and slow memory move different targets (2026-12-03)
     loop, copy = speed.get("python_loop_ns"), speed.get("memcpy_gb_s")
-    parts = [f"loop {loop:.0f} ns" if _num(loop) else "", f"memcpy {copy:.1f} GB/s" if _num(copy) else ""]
+    parts = [_cpu(env.get("cpu_model")), f"loop {loop:.0f} ns" if _num(loop) else "",
+             f"memcpy {copy:.1f} GB/s" if _num(copy) else ""]  # fmt: skip
     idle = env.get("idle") if isinstance(env.get("idle"), dict) else {}
     poll = idle.get("halt_poll_ns")
     if _num(poll) and poll > 0:  # idle CPUs that poll before they halt: cheaper wake-ups (bench/NOTES)
@@ -109,6 +111,19 @@ def _when(data: dict[str, Any]) -> str:
     out = t.replace("T", " ").removesuffix("Z")[:16] if isinstance(t, str) else "?"
     shown = ", ".join(p for p in parts if p)
     return f"{out} ({shown})" if shown else out
+
+
+_CPU_NOISE = re.compile(r"\((?:R|TM|tm)\)|\b(?:Processor|CPU)\b|@.*$")
+
+
+def _cpu(model: Any) -> str:
+    # The same VM has reported an Intel and an AMD host (2026-12-04): ratios move with it. The
+    # file may come from anywhere: letters, digits and a little punctuation (no `|` to break
+    # the table, no escapes), and short.
+    if not isinstance(model, str):
+        return ""
+    text = " ".join(_CPU_NOISE.sub(" ", model).split())
+    return "".join(c for c in text if c.isascii() and (c.isalnum() or c in " .-_/"))[:24].strip()
 
 
 def _num(v: Any) -> bool:

@@ -242,3 +242,17 @@ def test_a_run_given_credits_says_so_beside_its_figures(tmp_path, capsys):
         (tmp_path / "control.json").write_text(json.dumps(data))
         summary.main([str(tmp_path)])
         assert "credits" not in _rows(capsys)["epdq hit req/s at 32"][5]
+
+
+def test_the_run_column_names_the_host_cpu_short_and_printable(tmp_path, capsys):
+    data = _control(ok_hits=True)
+    data["environment"]["cpu_model"] = "Intel(R) Xeon(R) Processor"
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    assert summary.main([str(tmp_path)]) == 0
+    assert _rows(capsys)["epdq hit req/s at 32"][5] == "2026-12-03 14:06 (Intel Xeon, loop 26 ns, memcpy 6.9 GB/s)"
+    data["environment"]["cpu_model"] = "\x1b[2J|" + "A" * 200  # a file from anywhere: no escapes, no cell breaks
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    assert summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "AAAA" * 6 not in out
+    assert "| 2026-12-03 14:06 (2J" + "A" * 22 + ", loop 26 ns, memcpy 6.9 GB/s) |" in out
