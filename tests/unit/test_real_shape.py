@@ -65,8 +65,6 @@ def test_preset_validation():
 
 
 def test_write_checkpoint_refuses_a_filesystem_without_room(tmp_path, monkeypatch):
-    import shutil
-
     spec = R.preset("qwen2.5-vl-3b")
     real = shutil.disk_usage
     monkeypatch.setattr(R.shutil, "disk_usage", lambda d: real(d)._replace(free=300 << 20))
