@@ -45,13 +45,15 @@ class Row:
 
 
 def summarize(folder: str | Path) -> dict[str, Any]:
-    """{"rows": [Row...], "missing": [(file, command)...]} for the results in `folder`.
+    """{"rows": [Row...], "missing": [(file, command)...], "hosts": {benchmark: CPU}} for the
+    results in `folder` ("" where a run does not say its CPU).
     ResultError names the first file that is there but is not a result of its benchmark."""
     d = Path(folder)
     if not d.is_dir():
         raise ResultError(f"{folder}: not a directory (the benchmarks write to --out, default bench-results)")
     rows: list[Row] = []
     missing: list[tuple[str, str]] = []
+    hosts: dict[str, str] = {}
     for name, src in SOURCES.items():
         path = d / name
         if not path.exists():
@@ -65,7 +67,22 @@ def summarize(folder: str | Path) -> dict[str, Any]:
             raise ResultError(f"{path}: not a {src.bench} result this version reads ({type(e).__name__}: {e})") from None
         label = src.bench if src.kind is None else f"{src.bench} ({src.kind})"
         rows.extend(Row(label, t, g, v, r, when) for t, g, v, r in made)
-    return {"rows": rows, "missing": missing}
+        env = data.get("environment")
+        hosts[label] = _cpu(env.get("cpu_model")) if isinstance(env, dict) else ""
+    return {"rows": rows, "missing": missing, "hosts": hosts}
+
+
+def mixed_hosts(hosts: dict[str, str]) -> str | None:
+    """A warning when the runs come from machines with different CPUs, else None. The same VM
+    has run on an Intel and an AMD host (2026-12-04) and the ratios moved with it: targets met on
+    one machine and missed on another do not add up to either machine's count."""
+    by_cpu: dict[str, list[str]] = {}
+    for label, cpu in hosts.items():
+        by_cpu.setdefault(cpu or "CPU not recorded", []).append(label)
+    if len(by_cpu) < 2:
+        return None
+    parts = "; ".join(f"{cpu}: {', '.join(labels)}" for cpu, labels in by_cpu.items())
+    return f"note: these runs come from {len(by_cpu)} different CPUs ({parts}); the count mixes machines"
 
 
 def _load(path: Path, src: _Source) -> dict[str, Any]:
@@ -301,12 +318,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     judged = [r for r in rows if r.result != "shown"]
     missed = [r for r in judged if r.result == "MISS"]
     print(f"\n{len(judged) - len(missed)} of {len(judged)} judged targets met")
+    mixed = mixed_hosts(res["hosts"])
+    if mixed:
+        print(mixed)
     for name, how in res["missing"]:
         print(f"not run: {name} (`{how} --out {a.dir}`)")
     if a.json_out:
         body = {
             "benchmark": "summary", "dir": str(a.dir), "rows": [asdict(r) for r in rows],
             "missing": [n for n, _ in res["missing"]], "met": len(judged) - len(missed), "judged": len(judged),
+            "hosts": res["hosts"], "mixed_hosts": mixed is not None,
         }  # fmt: skip
         try:
             Path(a.json_out).write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n")

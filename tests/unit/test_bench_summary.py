@@ -256,3 +256,30 @@ def test_the_run_column_names_the_host_cpu_short_and_printable(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "\x1b" not in out and "AAAA" * 6 not in out
     assert "| 2026-12-03 14:06 (2J" + "A" * 22 + ", loop 26 ns, memcpy 6.9 GB/s) |" in out
+
+
+def test_runs_from_machines_with_different_cpus_are_flagged(tmp_path, capsys):
+    data = _control(ok_hits=True)
+    data["environment"]["cpu_model"] = "AMD EPYC"
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    scale.run(workers=10, requests=50, nodes=2, memory=False, out_dir=str(tmp_path))
+    run = json.loads((tmp_path / "scale.json").read_text())
+    run["environment"]["cpu_model"] = "Intel(R) Xeon(R) Processor"  # whatever this machine is
+    (tmp_path / "scale.json").write_text(json.dumps(run))
+    capsys.readouterr()
+    assert summary.main([str(tmp_path), "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    written = json.loads((tmp_path / "s.json").read_text())
+    assert "note: these runs come from 2 different CPUs (AMD EPYC: control; Intel Xeon: scale)" in out
+    assert "the count mixes machines" in out and written["mixed_hosts"] is True
+    assert written["hosts"] == {"control": "AMD EPYC", "scale": "Intel Xeon"}
+    # one machine: no note
+    (tmp_path / "scale.json").unlink()
+    assert summary.main([str(tmp_path)]) == 0
+    assert "different CPUs" not in capsys.readouterr().out
+
+
+def test_a_run_without_its_cpu_counts_as_a_machine_of_its_own():
+    assert summary.mixed_hosts({"control": "AMD EPYC", "scale": "AMD EPYC"}) is None
+    note = summary.mixed_hosts({"control": "AMD EPYC", "scale": ""})
+    assert note is not None and "CPU not recorded: scale" in note
