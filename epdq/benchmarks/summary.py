@@ -45,8 +45,9 @@ class Row:
 
 
 def summarize(folder: str | Path) -> dict[str, Any]:
-    """{"rows": [Row...], "missing": [(file, command)...], "hosts": {benchmark: CPU}} for the
-    results in `folder` ("" where a run does not say its CPU).
+    """{"rows": [Row...], "missing": [(file, command)...], "hosts": {benchmark: CPU},
+    "reduced": {benchmark: how}} for the results in `folder` ("" where a run does not say its
+    CPU; `reduced` names the runs smaller than README's).
     ResultError names the first file that is there but is not a result of its benchmark."""
     d = Path(folder)
     if not d.is_dir():
@@ -54,6 +55,7 @@ def summarize(folder: str | Path) -> dict[str, Any]:
     rows: list[Row] = []
     missing: list[tuple[str, str]] = []
     hosts: dict[str, str] = {}
+    reduced: dict[str, str] = {}
     for name, src in SOURCES.items():
         path = d / name
         if not path.exists():
@@ -66,10 +68,14 @@ def summarize(folder: str | Path) -> dict[str, Any]:
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ResultError(f"{path}: not a {src.bench} result this version reads ({type(e).__name__}: {e})") from None
         label = src.bench if src.kind is None else f"{src.bench} ({src.kind})"
+        small = src.reduced(data)
+        if small:
+            reduced[label] = small
+            when = f"{when}, reduced size"
         rows.extend(Row(label, t, g, v, r, when) for t, g, v, r in made)
         env = data.get("environment")
         hosts[label] = _cpu(env.get("cpu_model")) if isinstance(env, dict) else ""
-    return {"rows": rows, "missing": missing, "hosts": hosts}
+    return {"rows": rows, "missing": missing, "hosts": hosts, "reduced": reduced}
 
 
 def mixed_hosts(hosts: dict[str, str]) -> str | None:
@@ -284,12 +290,34 @@ class _Source:
     kind: str | None  # and its "kind", where two files come from one benchmark
     how: str  # the command that writes it (into --out, default bench-results)
     rows: Callable[[dict[str, Any]], _Made]
+    reduced: Callable[[dict[str, Any]], str | None] = lambda data: None
+
+
+def _below(value: Any, full: float, what: str) -> str | None:
+    """'1,000 requests, not 8,000' where a run was smaller than README's (`epdq bench all`'s
+    full sizes), else None. `epdq bench all --quick` writes the same files at small sizes, and a
+    figure from one (a goodput ratio of 2.00x over 30 s windows) must not read as the judged run's."""
+    if _num(value) and value < full:
+        return f"{value:,.10g} {what}, not {full:,.10g}"
+    return None
+
+
+def _reduced_handoff(data: dict[str, Any]) -> str | None:
+    return _below((data.get("config") or {}).get("repeats"), 40, "repeats")
+
+
+def _reduced_control(data: dict[str, Any]) -> str | None:
+    return _below((data.get("config") or {}).get("requests"), 8000, "requests")
+
+
+def _reduced_goodput(data: dict[str, Any]) -> str | None:
+    return _below(data.get("window_s"), 120, "s windows")
 
 
 SOURCES: dict[str, _Source] = {
-    "handoff.json": _Source("handoff", None, "epdq bench handoff --repeats 40", _handoff),
-    "control.json": _Source("control", None, "epdq bench control --requests 8000", _control),
-    "goodput.json": _Source("goodput", "cost", "epdq bench goodput", _goodput),
+    "handoff.json": _Source("handoff", None, "epdq bench handoff --repeats 40", _handoff, _reduced_handoff),
+    "control.json": _Source("control", None, "epdq bench control --requests 8000", _control, _reduced_control),
+    "goodput.json": _Source("goodput", "cost", "epdq bench goodput", _goodput, _reduced_goodput),
     "goodput-real.json": _Source("goodput", "real", "epdq bench goodput --real", _goodput_real),
     "scale.json": _Source("scale", None, "epdq bench scale", _scale),
 }
@@ -321,13 +349,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m epdq.benchmarks.s
     mixed = mixed_hosts(res["hosts"])
     if mixed:
         print(mixed)
+    small = res["reduced"]
+    if small:
+        counted = sum(1 for r in judged if r.benchmark in small)
+        print(f"note: {counted} of the {len(judged)} judged figures come from runs smaller than README's "
+              f"({'; '.join(f'{b}: {how}' for b, how in small.items())}): a first look, noisier; "
+              f"`epdq bench all` runs the full sizes")  # fmt: skip
     for name, how in res["missing"]:
         print(f"not run: {name} (`{how} --out {a.dir}`)")
     if a.json_out:
         body = {
             "benchmark": "summary", "dir": str(a.dir), "rows": [asdict(r) for r in rows],
             "missing": [n for n, _ in res["missing"]], "met": len(judged) - len(missed), "judged": len(judged),
-            "hosts": res["hosts"], "mixed_hosts": mixed is not None,
+            "hosts": res["hosts"], "mixed_hosts": mixed is not None, "reduced": small,
         }  # fmt: skip
         try:
             Path(a.json_out).write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n")

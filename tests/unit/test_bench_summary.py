@@ -283,3 +283,43 @@ def test_a_run_without_its_cpu_counts_as_a_machine_of_its_own():
     assert summary.mixed_hosts({"control": "AMD EPYC", "scale": "AMD EPYC"}) is None
     note = summary.mixed_hosts({"control": "AMD EPYC", "scale": ""})
     assert note is not None and "CPU not recorded: scale" in note
+
+
+def test_a_run_smaller_than_readmes_says_so_beside_its_figures(tmp_path, capsys):
+    data = _control(ok_hits=True)
+    data["config"] = {"requests": 1000}  # as `epdq bench all --quick` runs it
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    assert summary.main([str(tmp_path), "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count(", reduced size |") == 3  # every row of that run
+    assert "note: 3 of the 3 judged figures come from runs smaller than README's (control: 1,000 requests, not 8,000)" in out
+    assert json.loads((tmp_path / "s.json").read_text())["reduced"] == {"control": "1,000 requests, not 8,000"}
+    data["config"] = {"requests": 8000}
+    (tmp_path / "control.json").write_text(json.dumps(data))
+    assert summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reduced size" not in out and "smaller than README's" not in out
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "small", "why"),
+    [("handoff", "repeats", 5, "5 repeats, not 40"), ("goodput", "window_s", 30.0, "30 s windows, not 120")],
+)
+def test_the_reduced_sizes_of_the_other_judged_benchmarks(name, field, small, why):
+    src = summary.SOURCES[f"{name}.json"]
+    data = {"config": {field: small}} if name == "handoff" else {field: small}
+    assert src.reduced(data) == why
+    full = {"config": {field: 40}} if name == "handoff" else {field: 120.0}
+    assert src.reduced(full) is None and src.reduced({}) is None
+
+
+def test_full_size_is_what_epdq_bench_all_runs():
+    from epdq.benchmarks import suite
+
+    full = {name: args for name, args in suite.FULL}
+    repeats = int(full["handoff"][full["handoff"].index("--repeats") + 1])
+    requests = int(full["control"][full["control"].index("--requests") + 1])
+    handoff, control = summary.SOURCES["handoff.json"], summary.SOURCES["control.json"]
+    assert handoff.reduced({"config": {"repeats": repeats}}) is None and handoff.reduced({"config": {"repeats": repeats - 1}})
+    assert control.reduced({"config": {"requests": requests}}) is None and control.reduced({"config": {"requests": requests - 1}})
+    assert "--window" not in full["goodput"]  # the cost model's default window is the full one
