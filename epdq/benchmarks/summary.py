@@ -73,8 +73,7 @@ def summarize(folder: str | Path) -> dict[str, Any]:
             reduced[label] = small
             when = f"{when}, reduced size"
         rows.extend(Row(label, t, g, v, r, when) for t, g, v, r in made)
-        env = data.get("environment")
-        hosts[label] = _cpu(env.get("cpu_model")) if isinstance(env, dict) else ""
+        hosts[label] = _cpu(_env(data).get("cpu_model"))
     return {"rows": rows, "missing": missing, "hosts": hosts, "reduced": reduced}
 
 
@@ -110,9 +109,13 @@ def _load(path: Path, src: _Source) -> dict[str, Any]:
     return data
 
 
-def _when(data: dict[str, Any]) -> str:
+def _env(data: dict[str, Any]) -> dict[str, Any]:
     env = data.get("environment")
-    env = env if isinstance(env, dict) else {}
+    return env if isinstance(env, dict) else {}
+
+
+def _when(data: dict[str, Any]) -> str:
+    env = _env(data)
     t = env.get("time_utc")
     speed = env.get("speed") if isinstance(env.get("speed"), dict) else {}
     # both speeds: a slow Python loop and slow memory move different targets (2026-12-03)
