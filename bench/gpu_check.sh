@@ -12,7 +12,9 @@
 # that has one, into .whl/ (ignored by git), and carry .whl with the working tree:
 #     bash bench/gpu_check.sh --fetch-wheels
 # Environment: PYTHON (default python3), DEVICE (default cuda:0), PRESET (default qwen2.5-vl-3b),
-# GPU_CHECK_ARGS (more arguments for epdq.benchmarks.gpu_check, e.g. "--goodput-qps 1,2").
+# LIMIT_S (default 450: the whole script's wall-clock limit; the check is told what is left and stops
+# starting goodput points in time to write its tables), GPU_CHECK_ARGS (more arguments for
+# epdq.benchmarks.gpu_check, e.g. "--goodput-qps 1,2").
 # Exit status: 0 when the unit tests and the check passed; the tables are in OUT_DIR/summary.md.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -30,6 +32,7 @@ fi
 OUT_DIR="${1:-${OUT:-gpu-check-results}}"
 mkdir -p "$OUT_DIR"
 START=$(date +%s)
+LIMIT_S="${LIMIT_S:-450}"
 
 # dependencies the GPU machine lacks travel as wheels; installed into a private directory
 if ! "$PY" -c "import zmq, msgspec" 2>/dev/null; then
@@ -48,17 +51,24 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export EPDQ_HOME="${EPDQ_HOME:-/tmp/epdq-gpu-check-home}"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" \
     || { echo "this machine has no usable CUDA device" >&2; exit 4; }
+# what the tables will not say: the driver, the GPU's state, room in /dev/shm (the shm ring rows)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm --format=csv 2>&1
+  df -h /dev/shm "${TMPDIR:-/tmp}" 2>&1; nproc; "$PY" -c "import transformers; print('transformers', transformers.__version__)"; } \
+    | tee "$OUT_DIR/machine.txt"
 
 echo "== 1. GPU unit tests"
 # -W: an unknown ini option (pytest-asyncio's, not installed there) must not become an error
-timeout 240 "$PY" -m pytest tests/unit/test_ring_cuda.py -q -p no:cacheprovider -p no:asyncio \
+timeout 150 "$PY" -m pytest tests/unit/test_ring_cuda.py -q -p no:cacheprovider -p no:asyncio \
     -W ignore::pytest.PytestConfigWarning -o addopts="-ra" 2>&1 | tee "$OUT_DIR/pytest.txt"
 TESTS_RC=${PIPESTATUS[0]}
 
-echo "== 2. gpu_check ($(( $(date +%s) - START )) s so far)"
+LEFT=$(( LIMIT_S - ($(date +%s) - START) ))
+echo "== 2. gpu_check ($(( $(date +%s) - START )) s so far, $LEFT s left)"
+# SIGTERM at the limit: the check still writes what it has; no goodput point starts in its last 90 s
 # shellcheck disable=SC2086
-timeout 440 "$PY" -m epdq.benchmarks.gpu_check --out "$OUT_DIR" --device "${DEVICE:-cuda:0}" \
-    --preset "${PRESET:-qwen2.5-vl-3b}" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT_DIR/console.log"
+timeout -k 10 "$LEFT" "$PY" -m epdq.benchmarks.gpu_check --out "$OUT_DIR" --device "${DEVICE:-cuda:0}" \
+    --preset "${PRESET:-qwen2.5-vl-3b}" --budget-s "$(( LEFT > 150 ? LEFT - 90 : 60 ))" ${GPU_CHECK_ARGS:-} 2>&1 \
+    | tee "$OUT_DIR/console.log"
 CHECK_RC=${PIPESTATUS[0]}
 
 echo "== done in $(( $(date +%s) - START )) s: unit tests rc=$TESTS_RC, gpu_check rc=$CHECK_RC (tables: $OUT_DIR/summary.md)"

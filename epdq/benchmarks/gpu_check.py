@@ -149,7 +149,15 @@ def _images(seed: int, n: int, size: tuple[int, int]) -> list[bytes]:
     return [demo_image(seed + i, shapes[i % len(shapes)]) for i in range(n)]
 
 
-async def _token_check(chk: Check, cluster) -> dict[str, Any]:
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two outputs part, None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+async def _token_check(chk: Check, cluster, dtype: str) -> dict[str, Any]:
     a = chk.args
     size = (a.image_size, a.image_size)
     cases = [
@@ -166,10 +174,12 @@ async def _token_check(chk: Check, cluster) -> dict[str, Any]:
             epd = await c.generate(prompt, images=imgs, max_tokens=a.max_tokens, route="epd")
             colo = await c.generate(prompt, images=imgs, max_tokens=a.max_tokens, route="colocated")
             same = epd.token_ids == colo.token_ids
-            recs.append({"case": name, "images": len(imgs), "identical": same, "epd": epd.token_ids,
+            recs.append({"case": name, "images": len(imgs), "identical": same,
+                         "first_difference": _first_difference(epd.token_ids, colo.token_ids), "epd": epd.token_ids,
                          "colocated": colo.token_ids, "epd_ttft_s": epd.timings.ttft_s,
                          "colocated_ttft_s": colo.timings.ttft_s, "encode_s": epd.timings.encode_s})  # fmt: skip
-            rows.append((name, len(imgs), len(epd.token_ids), "yes" if same else "NO",
+            rows.append((name, len(imgs), len(epd.token_ids),
+                         "yes" if same else f"NO, from token {recs[-1]['first_difference']}",
                          " ".join(map(str, epd.token_ids[:8])), epd.timings.ttft_s * 1e3, colo.timings.ttft_s * 1e3,
                          epd.timings.encode_s * 1e3))  # fmt: skip
             chk.say(f"token check {name}: {'identical' if same else 'DIFFERENT'}")
@@ -178,10 +188,10 @@ async def _token_check(chk: Check, cluster) -> dict[str, Any]:
     varied = len({tuple(r["epd"]) for r in recs}) > 1
     chk.tables.append(table(["case", "images", "tokens", "identical", "first EPD tokens", "EPD TTFT ms",
                              "colocated TTFT ms", "encode ms"], rows,
-                            title="Token check: encoder -> ring -> PD vs the same model fed pixels (greedy)"))  # fmt: skip
+                            title=f"Token check, {dtype}: encoder -> ring -> PD vs the same model fed pixels (greedy)"))  # fmt: skip
     if not ok:
-        chk.failures.append("token check: EPD output differs from the colocated worker's")
-    return {"identical": ok, "outputs_vary": varied, "cases": recs, "counters": stats["counters"]}
+        chk.failures.append(f"token check ({dtype}): EPD output differs from the colocated worker's")
+    return {"dtype": dtype, "identical": ok, "outputs_vary": varied, "cases": recs, "counters": stats["counters"]}
 
 
 async def _goodput(chk: Check, cluster) -> dict[str, Any]:
@@ -227,22 +237,33 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
     return {"slo": {"ttft_p99_s": TTFT_SLO_S, "tpot_p99_s": TPOT_SLO_S}, "points": points}
 
 
-def stage_cluster(chk: Check, model: Path, work: Path) -> None:
+def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck: bool = False) -> None:
+    """Start the cluster, check tokens, then (not on a recheck) run the short goodput run.
+
+    `recheck`: the token check again in `dtype` (float32) on a fresh cluster from the same checkpoint,
+    run when the check in the GPU's own dtype differed: it tells rounding (bf16 results that depend on
+    how many images one forward holds) from a fault in the hand-off."""
     from epdq.cluster import Cluster, ClusterSpec
 
     a = chk.args
-    defaults = {"engine": "hf", "device": a.device, "dtype": a.dtype, "ring": a.ring, "max_model_len": 8192,
+    dtype = dtype or a.dtype
+    logs = work / ("logs-" + dtype if recheck else "logs")
+    defaults = {"engine": "hf", "device": a.device, "dtype": dtype, "ring": a.ring, "max_model_len": 8192,
                 "ring_bytes": a.ring_mib << 20, "max_images_per_prompt": 8}  # fmt: skip
-    spec = ClusterSpec(address=f"ipc://{work}/broker.sock", encoders=1, pds=1, both=1, model=str(model),
-                       worker_defaults=defaults, log_dir=str(work / "logs"), start_timeout_s=a.start_timeout_s)  # fmt: skip
+    spec = ClusterSpec(address=f"ipc://{work}/broker{'-' + dtype if recheck else ''}.sock", encoders=1, pds=1, both=1,
+                       model=str(model), worker_defaults=defaults, log_dir=str(logs),
+                       start_timeout_s=a.start_timeout_s)  # fmt: skip
     cluster = Cluster(spec)
 
     async def main() -> None:
         t = time.monotonic()
         try:
             await cluster.start(progress=chk.say)
+            if recheck:
+                chk.data["token_check_" + dtype] = await _token_check(chk, cluster, dtype)
+                return
             chk.data["cluster_start_s"] = round(time.monotonic() - t, 1)
-            chk.data["token_check"] = await _token_check(chk, cluster)
+            chk.data["token_check"] = await _token_check(chk, cluster, dtype)
             if chk.elapsed() < a.budget_s - 30:
                 res = await _goodput(chk, cluster)
                 chk.data["goodput"] = res
@@ -255,8 +276,11 @@ def stage_cluster(chk: Check, model: Path, work: Path) -> None:
     try:
         asyncio.run(main())
     finally:
-        chk.data["logs"] = _logs(work / "logs")
-        _check_ring_path(chk, work / "logs")
+        if recheck:
+            chk.data.setdefault("logs", {}).update({f"{dtype}/{k}": v for k, v in _logs(logs).items()})
+        else:
+            chk.data["logs"] = _logs(logs)
+            _check_ring_path(chk, logs)
 
 
 def _logs(d: Path) -> dict[str, str]:
@@ -320,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handoff-repeats", type=int, default=10)
     ap.add_argument("--handoff-pool-mib", type=int, default=256)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: handoff, cluster")
+    ap.add_argument("--no-recheck-fp32", dest="recheck_fp32", action="store_false",
+                    help="when the token check in bf16/fp16 differs, do not repeat it in float32")
     args = ap.parse_args(argv)
     from epdq.worker.devices import check_device, resolve_dtype
 
@@ -343,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             model = work / "model"
             if chk.stage("checkpoint", stage_checkpoint, chk, model) is not None:
                 chk.stage("cluster", stage_cluster, chk, model, work)
+                tc = chk.data.get("token_check") or {}
+                if tc and not tc["identical"] and args.dtype != "float32" and args.recheck_fp32:
+                    if chk.elapsed() < args.budget_s:
+                        chk.stage("recheck-float32", stage_cluster, chk, model, work, "float32", True)
+                    else:
+                        chk.say("float32 recheck skipped: time budget spent")
             else:
                 chk.failures.append("cluster: not started (no checkpoint)")
     except Killed as e:
