@@ -11,7 +11,12 @@ Stages, each timed, each allowed to fail without hiding the others' results:
 4. **token check**: greedy output through encoder -> CUDA ring -> PD equals the colocated worker
    fed pixels (the same model), for text only, 1, 2 and 4 images and a repeated image;
 5. **goodput**: a short Poisson run per offered load on route epd and route colocated;
-6. **ring path**: from the PD worker's log: entries were read device-to-device, none fetched.
+6. **ring path**: from the PD worker's log: entries were read device-to-device, none fetched;
+7. **diagnostics** (`epdq.benchmarks.gpu_diag`): the "two images" case's images encoded by the
+   encoder's tower in one forward, one per forward, and by the full model (the colocated path), in
+   the GPU's dtype and float32, compared bit by bit; single-request decode steps timed alone;
+8. **float32 recheck**, only when the token check in bf16/fp16 differed: the token check again on
+   a fresh cluster in float32 from the same checkpoint (rounding, or a fault in the hand-off?).
 
 Writes under `--out` (flat, at most 8 files): summary.md (every table), gpu_check.json,
 handoff.json, logs.txt (tails of the workers' logs). Exit status 0 only when the token check
@@ -283,6 +288,21 @@ def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck:
             _check_ring_path(chk, logs)
 
 
+def stage_diagnostics(chk: Check, model: Path) -> None:
+    """In this process, the cluster stopped: the vision rows three ways per dtype, one decode step."""
+    from epdq.benchmarks import gpu_diag
+
+    a = chk.args
+    dtypes = [a.dtype] + (["float32"] if a.dtype != "float32" else [])
+    size = (a.image_size, a.image_size)
+    rounding = gpu_diag.vision_rounding(model, a.device, dtypes, _images(200, 2, size))  # the "two images" case
+    chk.data["vision_rounding"] = rounding
+    steps = gpu_diag.decode_steps(model, a.device, a.dtype)
+    chk.data["decode_steps"] = steps
+    for title, headers, rows in gpu_diag.render(rounding, steps):
+        chk.tables.append(table(headers, rows, title=title))
+
+
 def _logs(d: Path) -> dict[str, str]:
     out = {}
     for f in sorted(d.glob("*.log")) if d.is_dir() else []:
@@ -344,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handoff-repeats", type=int, default=10)
     ap.add_argument("--handoff-pool-mib", type=int, default=256)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: handoff, cluster")
+    ap.add_argument("--no-diagnostics", action="store_true",
+                    help="skip the in-process diagnostics (vision rows three ways, one decode step)")
     ap.add_argument("--no-recheck-fp32", dest="recheck_fp32", action="store_false",
                     help="when the token check in bf16/fp16 differs, do not repeat it in float32")
     args = ap.parse_args(argv)
@@ -369,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             model = work / "model"
             if chk.stage("checkpoint", stage_checkpoint, chk, model) is not None:
                 chk.stage("cluster", stage_cluster, chk, model, work)
+                if chk.elapsed() < args.budget_s and not args.no_diagnostics:
+                    chk.stage("diagnostics", stage_diagnostics, chk, model)
                 tc = chk.data.get("token_check") or {}
                 if tc and not tc["identical"] and args.dtype != "float32" and args.recheck_fp32:
                     if chk.elapsed() < args.budget_s:

@@ -47,9 +47,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert data["ring_path"] == {**data["ring_path"], "expected": "shm", "encoder_ring": "shm", "ok": True}
     assert data["handoff"]["cuda"]["status"] == "skipped: no CUDA" or torch.cuda.is_available()
     assert {p["route"] for p in data["goodput"]["points"]} == {"epd", "colocated"}
+    # the diagnostics: float32 on the CPU, the same tower in one forward or one image per forward
+    [rounding] = data["vision_rounding"]
+    assert rounding["dtype"] == "float32" and rounding["images"] == 2
+    assert rounding["encoder_vs_full_model"]["rows"] == rounding["batched_vs_one_per_forward"]["rows"] > 0
+    assert data["decode_steps"]["steps"] == 48 and data["decode_steps"]["step_p50_ms"] > 0
+    assert "token_check_float32" not in data  # the recheck runs only after a bf16/fp16 difference
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# epdq GPU check: PASSED")
-    for title in ("Token check", "Short goodput run", "Embedding hand-off between GPU tensors", "How the PD worker"):
+    for title in ("Token check", "Short goodput run", "Embedding hand-off between GPU tensors", "How the PD worker",
+                  "Why bf16 outputs can part", "One request alone"):
         assert title in summary
     assert "skipped: no CUDA" in summary or torch.cuda.is_available()
     assert "===== pd-0.log" in (out / "logs.txt").read_text()
