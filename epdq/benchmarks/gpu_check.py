@@ -8,19 +8,25 @@ Stages, each timed, each allowed to fail without hiding the others' results:
    (`epdq.models.real_shape`);
 3. **cluster**: broker + 1 encoder + 1 PD worker + 1 colocated worker, transformers engines, on
    the one GPU (`--engine hf --device cuda:N`; the encoder's ring is then a CUDA ring);
-4. **token check**: greedy output through encoder -> CUDA ring -> PD equals the colocated worker
-   fed pixels (the same model), for text only, 1, 2 and 4 images and a repeated image;
+4. **token check**: greedy output through encoder -> CUDA ring -> PD against the colocated worker
+   fed pixels (the same model), for text only, 1, 2 and 4 images and a repeated image; in the
+   GPU's dtype (bf16) it is reported with the token where the outputs part, and judged in float32
+   (stage 7): in bf16 an image's rows depend on how many images share its vision forward (the
+   encoder batches whatever is queued and caches each image once; the colocated worker encodes a
+   prompt's images together), so even two colocated runs need not agree token for token;
 5. **goodput**: a short Poisson run per offered load on route epd and route colocated;
 6. **ring path**: from the PD worker's log: entries were read device-to-device, none fetched;
-7. **diagnostics** (`epdq.benchmarks.gpu_diag`): the "two images" case's images encoded by the
+7. **float32 token check**: the token check again on a fresh cluster in float32 from the same
+   checkpoint: every case must be token-identical;
+8. **diagnostics** (`epdq.benchmarks.gpu_diag`): the "two images" case's images encoded by the
    encoder's tower in one forward, one per forward, and by the full model (the colocated path), in
-   the GPU's dtype and float32, compared bit by bit; single-request decode steps timed alone;
-8. **float32 recheck**, only when the token check in bf16/fp16 differed: the token check again on
-   a fresh cluster in float32 from the same checkpoint (rounding, or a fault in the hand-off?).
+   the GPU's dtype and float32, compared bit by bit (the encoder's tower must equal the full
+   model's at equal grouping, in every dtype); single-request decode steps timed alone.
 
 Writes under `--out` (flat, at most 8 files): summary.md (every table), gpu_check.json,
-handoff.json, logs.txt (tails of the workers' logs). Exit status 0 only when the token check
-passed and the PD worker read through the ring the device calls for.
+handoff.json, logs.txt (tails of the workers' logs). Exit status 0 only when the float32 token
+check (the token check itself on a float32 run) was identical in every case, the encoder's tower
+equalled the full model's bit for bit, and the PD worker read through the ring the device calls for.
 
 `--device cpu` (with a reduced preset: `--layers 2 --vision-depth 1 --small-vocab`) runs the same
 stages on a CPU machine with the shared-memory ring: the dry run the tests use.
@@ -162,7 +168,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-async def _token_check(chk: Check, cluster, dtype: str) -> dict[str, Any]:
+async def _token_check(chk: Check, cluster, dtype: str, judged: bool) -> dict[str, Any]:
     a = chk.args
     size = (a.image_size, a.image_size)
     cases = [
@@ -193,10 +199,11 @@ async def _token_check(chk: Check, cluster, dtype: str) -> dict[str, Any]:
     varied = len({tuple(r["epd"]) for r in recs}) > 1
     chk.tables.append(table(["case", "images", "tokens", "identical", "first EPD tokens", "EPD TTFT ms",
                              "colocated TTFT ms", "encode ms"], rows,
-                            title=f"Token check, {dtype}: encoder -> ring -> PD vs the same model fed pixels (greedy)"))  # fmt: skip
-    if not ok:
+                            title=f"Token check, {dtype}: encoder -> ring -> PD vs the same model fed pixels (greedy"
+                                  + ("" if judged else "; reported, judged in float32") + ")"))  # fmt: skip
+    if judged and not ok:
         chk.failures.append(f"token check ({dtype}): EPD output differs from the colocated worker's")
-    return {"dtype": dtype, "identical": ok, "outputs_vary": varied, "cases": recs, "counters": stats["counters"]}
+    return {"dtype": dtype, "judged": judged, "identical": ok, "outputs_vary": varied, "cases": recs, "counters": stats["counters"]}
 
 
 async def _goodput(chk: Check, cluster) -> dict[str, Any]:
@@ -210,7 +217,7 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
             seed += 2
         for qps in qps_list:
             for route in ("epd", "colocated"):
-                if chk.elapsed() > a.budget_s:
+                if chk.elapsed() > a.budget_s - a.reserve_s:
                     chk.say(f"goodput: budget of {a.budget_s:.0f} s spent; skipping {route} at {qps} QPS")
                     continue
                 reqs = []
@@ -245,9 +252,8 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
 def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck: bool = False) -> None:
     """Start the cluster, check tokens, then (not on a recheck) run the short goodput run.
 
-    `recheck`: the token check again in `dtype` (float32) on a fresh cluster from the same checkpoint,
-    run when the check in the GPU's own dtype differed: it tells rounding (bf16 results that depend on
-    how many images one forward holds) from a fault in the hand-off."""
+    `recheck`: only the token check, in `dtype` (float32), on a fresh cluster from the same
+    checkpoint: judged, where the check in bf16/fp16 is only reported (see the module's docstring)."""
     from epdq.cluster import Cluster, ClusterSpec
 
     a = chk.args
@@ -265,11 +271,11 @@ def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck:
         try:
             await cluster.start(progress=chk.say)
             if recheck:
-                chk.data["token_check_" + dtype] = await _token_check(chk, cluster, dtype)
+                chk.data["token_check_" + dtype] = await _token_check(chk, cluster, dtype, judged=True)
                 return
             chk.data["cluster_start_s"] = round(time.monotonic() - t, 1)
-            chk.data["token_check"] = await _token_check(chk, cluster, dtype)
-            if chk.elapsed() < a.budget_s - 30:
+            chk.data["token_check"] = await _token_check(chk, cluster, dtype, judged=dtype == "float32")
+            if chk.elapsed() < a.budget_s - a.reserve_s - 30:
                 res = await _goodput(chk, cluster)
                 chk.data["goodput"] = res
             else:
@@ -297,6 +303,10 @@ def stage_diagnostics(chk: Check, model: Path) -> None:
     size = (a.image_size, a.image_size)
     rounding = gpu_diag.vision_rounding(model, a.device, dtypes, _images(200, 2, size))  # the "two images" case
     chk.data["vision_rounding"] = rounding
+    for r in rounding:
+        if not r["encoder_vs_full_model"]["identical"]:
+            chk.failures.append(f"diagnostics ({r['dtype']}): the encoder's vision tower differs from the full model's "
+                                f"at equal grouping (max |diff| {r['encoder_vs_full_model']['max_abs']})")
     steps = gpu_diag.decode_steps(model, a.device, a.dtype)
     chk.data["decode_steps"] = steps
     for title, headers, rows in gpu_diag.render(rounding, steps):
@@ -366,13 +376,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: handoff, cluster")
     ap.add_argument("--no-diagnostics", action="store_true",
                     help="skip the in-process diagnostics (vision rows three ways, one decode step)")
-    ap.add_argument("--no-recheck-fp32", dest="recheck_fp32", action="store_false",
-                    help="when the token check in bf16/fp16 differs, do not repeat it in float32")
+    ap.add_argument("--reserve-s", type=float, default=-1.0,
+                    help="seconds kept after the goodput run for the float32 token check and the diagnostics "
+                         "(default: 90 when the dtype is not float32, else 30)")
     args = ap.parse_args(argv)
     from epdq.worker.devices import check_device, resolve_dtype
 
     args.device = check_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)
+    if args.reserve_s < 0:
+        args.reserve_s = 90.0 if args.dtype != "float32" else 30.0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     chk = Check(args)
     chk.out.mkdir(parents=True, exist_ok=True)
@@ -391,14 +404,15 @@ def main(argv: list[str] | None = None) -> int:
             model = work / "model"
             if chk.stage("checkpoint", stage_checkpoint, chk, model) is not None:
                 chk.stage("cluster", stage_cluster, chk, model, work)
+                if args.dtype != "float32":
+                    if chk.elapsed() < args.budget_s:
+                        chk.stage("token-check-float32", stage_cluster, chk, model, work, "float32", True)
+                    else:
+                        chk.say("float32 token check skipped: time budget spent")
+                    if "token_check_float32" not in chk.data:
+                        chk.failures.append("token check: the float32 run, which judges it, did not finish")
                 if chk.elapsed() < args.budget_s and not args.no_diagnostics:
                     chk.stage("diagnostics", stage_diagnostics, chk, model)
-                tc = chk.data.get("token_check") or {}
-                if tc and not tc["identical"] and args.dtype != "float32" and args.recheck_fp32:
-                    if chk.elapsed() < args.budget_s:
-                        chk.stage("recheck-float32", stage_cluster, chk, model, work, "float32", True)
-                    else:
-                        chk.say("float32 recheck skipped: time budget spent")
             else:
                 chk.failures.append("cluster: not started (no checkpoint)")
     except Killed as e:

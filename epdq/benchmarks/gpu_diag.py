@@ -113,7 +113,7 @@ def render(rounding: list[dict[str, Any]], steps: dict[str, Any] | None) -> list
             c = r[key]
             rows.append((r["dtype"], name, "yes" if c["identical"] else "no",
                          f"{c['rows_differing']}/{c.get('rows', '?')}" if c["rows_differing"] is not None else "shape differs",
-                         c["max_abs"] if c["max_abs"] is not None else "n/a", c.get("scale", "n/a")))  # fmt: skip
+                         f"{c['max_abs']:.2g}" if c["max_abs"] is not None else "n/a", f"{c.get('scale', 0):.3g}"))  # fmt: skip
     tables = [(f"Why bf16 outputs can part: the same {rounding[0]['images'] if rounding else 0} images encoded "
                "three ways, same weights (rows = image embedding rows)",
                ["dtype", "comparison", "bit-identical", "rows differing", "max |diff|", "max |value|"], rows)]  # fmt: skip

@@ -41,7 +41,7 @@ def test_gpu_check_dry_run(tmp_path):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["gpu_check.json", "handoff.json", "logs.txt", "summary.md"]
     data = json.loads((out / "gpu_check.json").read_text())
-    assert data["passed"] and not data["failures"]
+    assert data["passed"] and not data["failures"] and data["token_check"]["judged"]
     assert all(s["status"] == "ok" for s in data["stages"].values()), data["stages"]
     assert data["token_check"]["identical"] and len(data["token_check"]["cases"]) == 5
     assert data["ring_path"] == {**data["ring_path"], "expected": "shm", "encoder_ring": "shm", "ok": True}
