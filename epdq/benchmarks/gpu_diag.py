@@ -76,7 +76,8 @@ def vision_rounding(model_dir: Path, device: str, dtypes: Sequence[str], images:
     return out
 
 
-def decode_steps(model_dir: Path, device: str, dtype: str, steps: int = 48, prompt_words: int = 40) -> dict[str, Any]:
+def decode_steps(model_dir: Path, device: str, dtype: str, steps: int = 48, prompt_words: int = 40,
+                 profile_steps: int = 6) -> dict[str, Any]:
     """Single-request decode steps of the transformers PD engine, each timed to its result."""
     import torch
 
@@ -97,11 +98,33 @@ def decode_steps(model_dir: Path, device: str, dtype: str, steps: int = 48, prom
             token = int(torch.argmax(logits))  # waits for the step, as the engine's sampler does
             times.append((time.perf_counter() - t) * 1e3)
         warm = times[2:] or times
+        profile = _profile_steps(eng, state, token, state["prompt_len"] + steps, device, n=profile_steps)
         return {"dtype": dtype, "prompt_tokens": state["prompt_len"], "steps": steps, "prefill_ms": prefill_ms,
-                "step_p50_ms": statistics.median(warm), "step_min_ms": min(warm), "step_max_ms": max(warm)}  # fmt: skip
+                "step_p50_ms": statistics.median(warm), "step_min_ms": min(warm), "step_max_ms": max(warm),
+                "profile": profile}  # fmt: skip
     finally:
         del eng
         _free(device)
+
+
+def _profile_steps(eng, state: dict, token: int, index: int, device: str, n: int, top: int = 10) -> dict[str, Any]:
+    """torch.profiler over `n` more steps: launches and the ops with the most host time, per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if n <= 0:
+        return {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            token = int(torch.argmax(eng._step(state, token, index + i)))
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: e.self_cpu_time_total, reverse=True)
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events if e.key.startswith("aten::"))
+    return {"steps": n, "kernel_launches_per_step": launches / n, "device_ms_per_step": device_us / n / 1e3,
+            "top_host_ops": [{"op": e.key, "calls_per_step": e.count / n, "self_host_ms_per_step": e.self_cpu_time_total / n / 1e3}
+                             for e in ops[:top]]}  # fmt: skip
 
 
 def render(rounding: list[dict[str, Any]], steps: dict[str, Any] | None) -> list[tuple[str, list[str], list[tuple]]]:
@@ -122,4 +145,11 @@ def render(rounding: list[dict[str, Any]], steps: dict[str, Any] | None) -> list
                        ["dtype", "prompt tokens", "prefill ms", "decode step p50 ms", "min ms", "max ms"],
                        [(steps["dtype"], steps["prompt_tokens"], steps["prefill_ms"], steps["step_p50_ms"],
                          steps["step_min_ms"], steps["step_max_ms"])]))  # fmt: skip
+        prof = steps.get("profile") or {}
+        if prof.get("top_host_ops"):
+            tables.append((f"Where a decode step's host time goes (torch.profiler, {prof['steps']} steps; "
+                           f"{prof['kernel_launches_per_step']:.0f} kernel launches and "
+                           f"{prof['device_ms_per_step']:.2f} ms of device time per step)",
+                           ["op", "calls per step", "self host ms per step"],
+                           [(o["op"], o["calls_per_step"], o["self_host_ms_per_step"]) for o in prof["top_host_ops"]]))  # fmt: skip
     return tables
