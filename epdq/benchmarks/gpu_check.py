@@ -378,14 +378,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the in-process diagnostics (vision rows three ways, one decode step)")
     ap.add_argument("--reserve-s", type=float, default=-1.0,
                     help="seconds kept after the goodput run for the float32 token check and the diagnostics "
-                         "(default: 90 when the dtype is not float32, else 30)")
+                         "(default: 100 when the dtype is not float32, else 30)")
     args = ap.parse_args(argv)
     from epdq.worker.devices import check_device, resolve_dtype
 
     args.device = check_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)
     if args.reserve_s < 0:
-        args.reserve_s = 90.0 if args.dtype != "float32" else 30.0
+        args.reserve_s = 100.0 if args.dtype != "float32" else 30.0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     chk = Check(args)
     chk.out.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert rounding["dtype"] == "float32" and rounding["images"] == 2
     assert rounding["encoder_vs_full_model"]["rows"] == rounding["batched_vs_one_per_forward"]["rows"] > 0
     assert data["decode_steps"]["steps"] == 48 and data["decode_steps"]["step_p50_ms"] > 0
+    assert data["decode_steps"]["profile"]["top_host_ops"][0]["op"].startswith("aten::")
     assert "token_check_float32" not in data  # the recheck runs only after a bf16/fp16 difference
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# epdq GPU check: PASSED")
