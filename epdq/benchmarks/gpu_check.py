@@ -208,6 +208,7 @@ async def _token_check(chk: Check, cluster, dtype: str, judged: bool) -> dict[st
 
 async def _goodput(chk: Check, cluster) -> dict[str, Any]:
     a = chk.args
+    until = a.budget_s - a.reserve_s  # the rest of the budget is for the float32 check and the diagnostics
     qps_list = [float(q) for q in a.goodput_qps.split(",")]
     size = (a.image_size, a.image_size)
     points, seed = [], 10_000
@@ -217,8 +218,8 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
             seed += 2
         for qps in qps_list:
             for route in ("epd", "colocated"):
-                if chk.elapsed() > a.budget_s - a.reserve_s:
-                    chk.say(f"goodput: budget of {a.budget_s:.0f} s spent; skipping {route} at {qps} QPS")
+                if chk.elapsed() > until:
+                    chk.say(f"goodput: its {until:.0f} s are spent; skipping {route} at {qps} QPS")
                     continue
                 reqs = []
                 for _ in range(a.requests):
@@ -249,19 +250,19 @@ async def _goodput(chk: Check, cluster) -> dict[str, Any]:
     return {"slo": {"ttft_p99_s": TTFT_SLO_S, "tpot_p99_s": TPOT_SLO_S}, "points": points}
 
 
-def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck: bool = False) -> None:
-    """Start the cluster, check tokens, then (not on a recheck) run the short goodput run.
+def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", tokens_only: bool = False) -> None:
+    """Start the cluster, check tokens, then (unless `tokens_only`) run the short goodput run.
 
-    `recheck`: only the token check, in `dtype` (float32), on a fresh cluster from the same
-    checkpoint: judged, where the check in bf16/fp16 is only reported (see the module's docstring)."""
+    `tokens_only`: the float32 token check (stage 7): only the token check, in `dtype`, on a fresh
+    cluster from the same checkpoint; judged, where the check in bf16/fp16 is only reported."""
     from epdq.cluster import Cluster, ClusterSpec
 
     a = chk.args
     dtype = dtype or a.dtype
-    logs = work / ("logs-" + dtype if recheck else "logs")
+    logs = work / ("logs-" + dtype if tokens_only else "logs")
     defaults = {"engine": "hf", "device": a.device, "dtype": dtype, "ring": a.ring, "max_model_len": 8192,
                 "ring_bytes": a.ring_mib << 20, "max_images_per_prompt": 8}  # fmt: skip
-    spec = ClusterSpec(address=f"ipc://{work}/broker{'-' + dtype if recheck else ''}.sock", encoders=1, pds=1, both=1,
+    spec = ClusterSpec(address=f"ipc://{work}/broker{'-' + dtype if tokens_only else ''}.sock", encoders=1, pds=1, both=1,
                        model=str(model), worker_defaults=defaults, log_dir=str(logs),
                        start_timeout_s=a.start_timeout_s)  # fmt: skip
     cluster = Cluster(spec)
@@ -270,7 +271,7 @@ def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck:
         t = time.monotonic()
         try:
             await cluster.start(progress=chk.say)
-            if recheck:
+            if tokens_only:
                 chk.data["token_check_" + dtype] = await _token_check(chk, cluster, dtype, judged=True)
                 return
             chk.data["cluster_start_s"] = round(time.monotonic() - t, 1)
@@ -287,7 +288,7 @@ def stage_cluster(chk: Check, model: Path, work: Path, dtype: str = "", recheck:
     try:
         asyncio.run(main())
     finally:
-        if recheck:
+        if tokens_only:
             chk.data.setdefault("logs", {}).update({f"{dtype}/{k}": v for k, v in _logs(logs).items()})
         else:
             chk.data["logs"] = _logs(logs)
