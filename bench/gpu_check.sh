@@ -64,7 +64,8 @@ TESTS_RC=${PIPESTATUS[0]}
 
 LEFT=$(( LIMIT_S - ($(date +%s) - START) ))
 echo "== 2. gpu_check ($(( $(date +%s) - START )) s so far, $LEFT s left)"
-# SIGTERM at the limit: the check still writes what it has; no goodput point starts in its last 90 s
+# SIGTERM at the limit: the check still writes what it has. No stage starts in its last 90 s, and the
+# goodput run stops 100 s before that (--reserve-s), leaving time for the float32 check and the diagnostics
 # shellcheck disable=SC2086
 timeout -k 10 "$LEFT" "$PY" -m epdq.benchmarks.gpu_check --out "$OUT_DIR" --device "${DEVICE:-cuda:0}" \
     --preset "${PRESET:-qwen2.5-vl-3b}" --budget-s "$(( LEFT > 150 ? LEFT - 90 : 60 ))" ${GPU_CHECK_ARGS:-} 2>&1 \
