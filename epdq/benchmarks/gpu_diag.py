@@ -17,6 +17,7 @@ Two questions the token check and the goodput run leave open on a GPU:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -98,10 +99,26 @@ def decode_steps(model_dir: Path, device: str, dtype: str, steps: int = 48, prom
             token = int(torch.argmax(logits))  # waits for the step, as the engine's sampler does
             times.append((time.perf_counter() - t) * 1e3)
         warm = times[2:] or times
-        profile = _profile_steps(eng, state, token, state["prompt_len"] + steps, device, n=profile_steps)
-        return {"dtype": dtype, "prompt_tokens": state["prompt_len"], "steps": steps, "prefill_ms": prefill_ms,
-                "step_p50_ms": statistics.median(warm), "step_min_ms": min(warm), "step_max_ms": max(warm),
-                "profile": profile}  # fmt: skip
+        index = state["prompt_len"] + steps
+        profile = _profile_steps(eng, state, token, index, device, n=profile_steps)
+        out = {"dtype": dtype, "prompt_tokens": state["prompt_len"], "steps": steps, "prefill_ms": prefill_ms,
+               "step_p50_ms": statistics.median(warm), "step_min_ms": min(warm), "step_max_ms": max(warm),
+               "profile": profile}  # fmt: skip
+        if device.startswith("cuda"):
+            # side by side: the same engine with PyTorch's own SDPA choice (cuDNN allowed), what it ran before
+            index += profile_steps
+            own = eng._decoder_attention
+            eng._decoder_attention = contextlib.nullcontext
+            try:
+                default = []
+                for i in range(steps // 2):
+                    t = time.perf_counter()
+                    token = int(torch.argmax(eng._step(state, token, index + i)))
+                    default.append((time.perf_counter() - t) * 1e3)
+            finally:
+                eng._decoder_attention = own
+            out["default_sdpa_step_p50_ms"] = statistics.median(default[2:] or default)
+        return out
     finally:
         del eng
         _free(device)
@@ -145,6 +162,9 @@ def render(rounding: list[dict[str, Any]], steps: dict[str, Any] | None) -> list
                        ["dtype", "prompt tokens", "prefill ms", "decode step p50 ms", "min ms", "max ms"],
                        [(steps["dtype"], steps["prompt_tokens"], steps["prefill_ms"], steps["step_p50_ms"],
                          steps["step_min_ms"], steps["step_max_ms"])]))  # fmt: skip
+        if "default_sdpa_step_p50_ms" in steps:
+            tables[-1][2].append((f"{steps['dtype']}, PyTorch's default SDPA (cuDNN allowed)", steps["prompt_tokens"],
+                                  "", steps["default_sdpa_step_p50_ms"], "", ""))  # fmt: skip
         prof = steps.get("profile") or {}
         if prof.get("top_host_ops"):
             tables.append((f"Where a decode step's host time goes (torch.profiler, {prof['steps']} steps; "

@@ -344,7 +344,7 @@ class HFPDEngine:
                 request_id=request_id,
             )
         ids = ids.to(self.device)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self._decoder_attention():
             inputs_embeds = model.get_input_embeddings()(ids)
             if embeds is not None:
                 mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(inputs_embeds)
@@ -369,6 +369,20 @@ class HFPDEngine:
             "logits": out.logits[0, -1].float(),
         }
 
+    def _decoder_attention(self):
+        """The SDPA backends the decoder may use: on CUDA, not cuDNN.
+
+        Measured on an H200 (torch 2.11, bench/results/gpu/2026-12-04T1521-h200): with cuDNN
+        chosen, every decode step spent 58.8 ms of host time in `_cudnn_attention_forward` (36
+        layers, 1.6 ms each; the key length changes every step) against 4.4 ms of device time for
+        the whole step. Both routes (PD and colocated) run this same code, so token equality holds.
+        """
+        if not str(self.device).startswith("cuda"):
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
     def _step(self, state: dict, token: int, seq_index: int):
         """Feed one token at sequence index `seq_index` -> next logits."""
         import torch
@@ -378,7 +392,7 @@ class HFPDEngine:
             raise EngineError("engine closed")
         ids = torch.tensor([[token]], device=self.device)
         position_ids = torch.full((3, 1, 1), seq_index + state["delta"], device=self.device, dtype=torch.long)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self._decoder_attention():
             out = model(
                 inputs_embeds=model.get_input_embeddings()(ids),
                 position_ids=position_ids,

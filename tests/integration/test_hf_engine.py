@@ -82,6 +82,21 @@ def model_generate(engine, prompt: str, kwargs: dict, max_new_tokens: int) -> li
     return out[0, ids.shape[1] :].tolist()
 
 
+def test_decoder_attention_excludes_cudnn_on_cuda_only(hf):
+    """cuDNN SDPA cost 1.6 ms of host time per layer per decode step on an H200 (README, runs 3-4)."""
+    pd, _ = hf
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with pd._decoder_attention():  # on the CPU: PyTorch's own choice, untouched
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    cuda_engine = object.__new__(type(pd))
+    cuda_engine.device = "cuda:0"
+    with cuda_engine._decoder_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_protocol(hf):
     pd, both = hf
     assert isinstance(pd, PDEngine) and isinstance(both, PDEngine)
