@@ -56,6 +56,7 @@ _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 NAME_PATTERN = re.compile(r"cuda-[0-9]{1,10}-[A-Za-z0-9_]{1,32}-[0-9]{1,10}-[0-9a-f]{16}")
 MAX_HANDLE_BYTES = 1024
 EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+HEADER_COPIES = ("pinned", "pageable")  # how a reader copies an entry's header back for its check
 _REF_COUNTER = re.compile(rb"[A-Za-z0-9_./-]{1,255}")
 # torch's reference-counter file holds this many int64 counters (CUDA_IPC_REF_COUNTER_FILE_SIZE):
 # an offset past it would make torch write outside the mapping when it releases the storage
@@ -261,9 +262,13 @@ class CudaRingWriter(RingWriter):
 class CudaRingReader:
     """A PD worker's mappings of the CUDA rings of encoders on its GPU (one per ring, kept)."""
 
-    def __init__(self, device: str | torch.device, *, max_rings: int = 64):
+    def __init__(self, device: str | torch.device, *, max_rings: int = 64, header_copy: str = "pinned"):
         if max_rings < 1:
             raise ValueError("max_rings must be >= 1")
+        if header_copy not in HEADER_COPIES:
+            raise ValueError(f"header_copy must be one of {HEADER_COPIES}, not {header_copy!r}")
+        self.header_copy = header_copy
+        self._local = threading.local()  # per thread: a pinned staging buffer for the header check
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -337,11 +342,25 @@ class CudaRingReader:
         with self.stream():
             if nbytes:
                 out.copy_(buf[offset : offset + nbytes].view(dtype).view(shape), non_blocking=True)
-            # stream order: read after the copy; blocking, so it returns once both are done
-            raw = buf[offset - HEADER_BYTES : offset].to("cpu").numpy().tobytes()
+            raw = self._header_after_copy(buf, offset)
         if not _header_matches(raw, key, generation, nbytes):
             raise StaleEmbeddingError(f"entry {key.hex()}@{generation} in {ref.segment} was overwritten")
         return out
+
+    def _header_after_copy(self, buf: torch.Tensor, offset: int) -> bytes:
+        """The entry's header read after the copies queued before it on the reader's stream (stream
+        order), returned once they are done. "pinned": an async copy into this thread's pinned
+        staging, then one stream synchronisation; "pageable": `.to("cpu")`, which stages through a
+        driver buffer and waits the same way (the form before 2026-12-04; kept to compare)."""
+        window = buf[offset - HEADER_BYTES : offset]
+        if self._stream is None or self.header_copy == "pageable":
+            return window.to("cpu").numpy().tobytes()
+        staging = getattr(self._local, "header", None)
+        if staging is None:
+            staging = self._local.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(window, non_blocking=True)
+        self._stream.synchronize()
+        return staging.numpy().tobytes()
 
     def finish(self, t: torch.Tensor) -> torch.Tensor:
         """Make `t` (filled on the reader's stream) safe to use and free on the caller's stream."""

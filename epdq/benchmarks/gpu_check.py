@@ -128,6 +128,15 @@ def stage_handoff(chk: Check) -> dict[str, Any]:
             "cpu_targets": data["targets"]}  # fmt: skip
 
 
+def stage_ring_costs(chk: Check) -> dict[str, Any]:
+    """The CUDA ring's write and read, and the calls they are made of, one at a time."""
+    from epdq.benchmarks import ring_cuda_costs
+
+    d = ring_cuda_costs.measure(chk.args.device, repeats=100 if chk.args.device.startswith("cuda") else 10)
+    chk.tables.append(ring_cuda_costs.render(d))
+    return d
+
+
 def stage_checkpoint(chk: Check, path: Path):
     from epdq.models import real_shape as R
 
@@ -374,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handoff-sizes", default="1,8,32")
     ap.add_argument("--handoff-repeats", type=int, default=10)
     ap.add_argument("--handoff-pool-mib", type=int, default=256)
-    ap.add_argument("--skip", default="", help="comma-separated stages to skip: handoff, cluster")
+    ap.add_argument("--skip", default="", help="comma-separated stages to skip: handoff, ring-costs, cluster")
     ap.add_argument("--no-diagnostics", action="store_true",
                     help="skip the in-process diagnostics (vision rows three ways, one decode step)")
     ap.add_argument("--reserve-s", type=float, default=-1.0,
@@ -401,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         chk.say(f"environment: {chk.data['torch']}")
         if "handoff" not in skip:
             chk.data["handoff"] = chk.stage("handoff", stage_handoff, chk)
+        if "ring-costs" not in skip:
+            chk.data["ring_cuda_costs"] = chk.stage("ring-costs", stage_ring_costs, chk)
         if "cluster" not in skip:
             model = work / "model"
             if chk.stage("checkpoint", stage_checkpoint, chk, model) is not None:

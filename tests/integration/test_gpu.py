@@ -53,11 +53,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert rounding["encoder_vs_full_model"]["rows"] == rounding["batched_vs_one_per_forward"]["rows"] > 0
     assert data["decode_steps"]["steps"] == 48 and data["decode_steps"]["step_p50_ms"] > 0
     assert data["decode_steps"]["profile"]["top_host_ops"][0]["op"].startswith("aten::")
+    costs = data["ring_cuda_costs"]
+    assert [w["size_mib"] for w in costs["whole"]] == [1, 32] and costs["whole"][0]["read_pinned_p50_us"] > 0
+    assert any(m["op"].startswith("64 B header D2H into pinned") for m in costs["micro"])
     assert "token_check_float32" not in data  # the recheck runs only after a bf16/fp16 difference
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# epdq GPU check: PASSED")
     for title in ("Token check", "Short goodput run", "Embedding hand-off between GPU tensors", "How the PD worker",
-                  "Why bf16 outputs can part", "One request alone"):
+                  "Why bf16 outputs can part", "One request alone", "CUDA ring write and read"):
         assert title in summary
     assert "skipped: no CUDA" in summary or torch.cuda.is_available()
     assert "===== pd-0.log" in (out / "logs.txt").read_text()

@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -279,6 +280,32 @@ def test_which_refs_a_reader_takes():
         r.usable(ref_for("cuda-x", key(), loc, t, fake_ring(device_uuid="cpu")))
 
 
+def test_reader_header_copy_is_validated():
+    with pytest.raises(ValueError, match="header_copy"):
+        CudaRingReader("cpu", header_copy="mmap")
+    assert CudaRingReader("cpu").header_copy == "pinned"
+
+
+@pytest.mark.parametrize("header_copy", ["pinned", "pageable"])
+def test_stale_check_holds_for_either_header_copy(header_copy):
+    w = CudaRingWriter(MIN_CAPACITY, device="cpu", owner_tag="test")
+    r = CudaRingReader("cpu", header_copy=header_copy)
+    try:
+        r.attach_local(w.name, w.buffer)
+        t = torch.randn(16, 64)
+        k = key()
+        loc = w.write(k, t)
+        ref = ref_for(w.name, k, loc, t, None)
+        assert torch.equal(r.read(ref, torch.float32), t)
+        w.unpin(k, loc.generation)
+        w.evict_unpinned()
+        with pytest.raises(StaleEmbeddingError):
+            r.read(ref, torch.float32)
+    finally:
+        r.close()
+        w.close()
+
+
 def test_export_needs_a_gpu():
     w = CudaRingWriter(MIN_CAPACITY, device="cpu")
     try:
@@ -369,9 +396,10 @@ def test_gpu_check_script_parses():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_ring_in_process_round_trip():
+@pytest.mark.parametrize("header_copy", ["pinned", "pageable"])
+def test_gpu_ring_in_process_round_trip(header_copy):
     w = CudaRingWriter(8 << 20, device="cuda:0")
-    r = CudaRingReader("cuda:0")
+    r = CudaRingReader("cuda:0", header_copy=header_copy)
     try:
         r.attach_local(w.name, w.buffer)
         t = torch.randn(300, 2048, device="cuda:0").to(torch.bfloat16)
@@ -384,6 +412,18 @@ def test_gpu_ring_in_process_round_trip():
         host = torch.randn(10, 2048).to(torch.bfloat16)  # a CPU tensor goes up once
         lh = w.write(key(9), host)
         assert torch.equal(r.read(ref_for(w.name, key(9), lh, host, None), torch.bfloat16).cpu(), host)
+        # threads read at once, each checking headers through its own staging
+        refs = []
+        for i in range(8):
+            ti = torch.full((64, 2048), float(i), device="cuda:0", dtype=torch.bfloat16)
+            li = w.write(key(100 + i), ti)
+            refs.append((ref_for(w.name, key(100 + i), li, ti, None), float(i)))
+
+        def read_all(n: int) -> bool:
+            return all(bool((r.finish(r.read(ref, torch.bfloat16)) == v).all()) for ref, v in refs * n)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(read_all, [5, 5, 5, 5]))
         w.unpin(k, loc.generation)
         w.evict_unpinned()
         with pytest.raises(StaleEmbeddingError):
@@ -493,3 +533,15 @@ def test_gpu_rows_without_a_d2d_row_print_no_nan():
     assert "nan" not in text.lower() and "n/a (d2d failed)" in text
     ok["x_d2d"] = None  # as the JSON file has it
     assert handoff.render_cuda(c, cfg) == text
+
+
+def test_ring_costs_runs_on_a_cpu_device(tmp_path, capsys):
+    from epdq.benchmarks import ring_cuda_costs
+
+    assert ring_cuda_costs.main(["--device", "cpu", "--sizes", "1", "--repeats", "3", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "ring_cuda_costs.json").read_text())
+    assert [w["size_mib"] for w in d["whole"]] == [1] and d["whole"][0]["write_p50_us"] > 0
+    assert "CUDA ring write and read" in capsys.readouterr().out
+    for bad in (["--sizes", "0"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            ring_cuda_costs.main(["--device", "cpu", *bad])
