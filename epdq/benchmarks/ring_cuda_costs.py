@@ -25,9 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from epdq.benchmarks.handoff_common import HIDDEN
 from epdq.benchmarks.report import table
-
-HIDDEN = 3584  # a 7B Qwen2.5-VL's embedding width, as the hand-off benchmark uses
 
 
 def _time(op: Callable[[], Any], after: Callable[[], Any], repeats: int, warmup: int = 20) -> float:
@@ -47,7 +46,7 @@ def measure(device: str = "cuda:0", sizes_mib: tuple[int, ...] = (1, 32), repeat
     import torch
 
     from epdq import protocol as P
-    from epdq.ring_cuda import HEADER_COPIES, CudaRingReader, CudaRingWriter
+    from epdq.ring_cuda import _HDR, HEADER_COPIES, CudaRingReader, CudaRingWriter
     from epdq.ring_space import HEADER_BYTES
 
     dev = torch.device(device)
@@ -84,7 +83,7 @@ def measure(device: str = "cuda:0", sizes_mib: tuple[int, ...] = (1, 32), repeat
         ("D2D copy of 1 MiB, launch only", lambda: dst1.copy_(src1, non_blocking=True), sync),
         ("D2D copy of 1 MiB, launched and waited for", lambda: (dst1.copy_(src1, non_blocking=True), sync()), nothing),
         ("pack the 64 B header into the pinned staging",
-         lambda: struct.pack_into("<8s16sQQ", hdr_pinned.numpy(), 0, b"EPDQCRG1", bytes(16), 1, 2), nothing),
+         lambda: _HDR.pack_into(hdr_pinned.numpy(), 0, b"EPDQCRG1", bytes(16), 1, 2), nothing),
         ("64 B header H2D from pinned, launch only",
          in_stream(lambda: buf[0:HEADER_BYTES].copy_(hdr_pinned, non_blocking=True)), sync),
         ("64 B header D2H, pageable (.to('cpu'), waits)", lambda: buf[0:HEADER_BYTES].to("cpu"), nothing),
